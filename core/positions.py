@@ -1,0 +1,79 @@
+"""Positions of cached keys.
+
+Two modes (``--positions``):
+
+* ``rerotate`` (default): after every eviction the kept keys are rotated so that they sit at contiguous
+  positions 0..n-1, and new tokens continue at n (StreamingLLM's "positions within the cache"). The model
+  therefore never sees a position >= budget + slack, however long the chat runs.
+* ``original``: keys keep the absolute position they were computed at; new tokens continue at absolute
+  positions. Past the model's trained positions quality degrades, so the session warns before that.
+
+RoPE keys are rotated in place by a position *delta* using the model's own rotary embedding: its
+``inv_freq`` (which already carries linear, Llama-3 and YaRN scaling) and its rotary dimension (partial rotary
+for GPT-NeoX). Rotating a key computed at p by (q - p) gives the key computed at q, because rotations compose;
+the embedding's ``attention_scaling`` is already inside the stored key and must not be applied twice.
+Models without RoPE (GPT-2's learned absolute positions) need no rotation: their new tokens are indexed by the
+cache length in ``rerotate`` mode.
+"""
+
+from __future__ import annotations
+
+import torch
+
+POSITION_MODES = ("rerotate", "original")
+
+# Model families whose attention rotates pairs (x[2i], x[2i+1]) instead of the two halves: the half-rotation
+# used here would be wrong for them, so re-rotation is refused rather than silently corrupting keys.
+_INTERLEAVED_ROPE = {"gptj", "cohere", "cohere2", "glm", "chatglm", "codegen"}
+# RoPE variants whose frequencies change with the sequence length: a key rotated under one inv_freq cannot be
+# moved exactly under another.
+_LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rotary:
+    """Moves RoPE keys from one position to another with the model's frequencies."""
+
+    def __init__(self, inv_freq: torch.Tensor):
+        self.inv_freq = inv_freq.detach().float().clone()
+        self.rotary_dim = 2 * self.inv_freq.numel()
+
+    @classmethod
+    def from_model(cls, model) -> "Rotary | None":
+        """The model's rotary embedding, or None for models without RoPE (e.g. GPT-2)."""
+        config = model.config
+        found = [m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)]
+        if not found:
+            return None
+        model_type = getattr(config, "model_type", "")
+        if model_type in _INTERLEAVED_ROPE:
+            raise ValueError(
+                f"{model_type} uses interleaved RoPE, which kvchat cannot re-rotate; use --positions original"
+            )
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+        if rope_type in _LENGTH_DEPENDENT_ROPE:
+            raise ValueError(
+                f"{rope_type} RoPE changes its frequencies with the sequence length, so kept keys cannot be "
+                "re-rotated exactly; use --positions original"
+            )
+        freqs = {tuple(m.inv_freq.shape) for m in found}
+        if len(freqs) > 1:
+            raise ValueError("the model has several rotary embeddings; use --positions original")
+        return cls(found[0].inv_freq)
+
+    def rotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """Rotate ``keys`` [..., n, head_dim] by ``delta`` positions ([n] or broadcastable to keys[..., n])."""
+        rd = self.rotary_dim
+        freqs = delta.to(keys.device, torch.float32)[..., None] * self.inv_freq.to(keys.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        k_rot = keys[..., :rd].float()
+        rotated = (k_rot * cos + _rotate_half(k_rot) * sin).to(keys.dtype)
+        if rd == keys.shape[-1]:
+            return rotated
+        return torch.cat((rotated, keys[..., rd:]), dim=-1)

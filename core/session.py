@@ -1,0 +1,722 @@
+"""A chat session: one conversation, one KV cache that stays bounded however long the chat runs.
+
+Each new message is rendered by the chat template as the text it adds, tokenized, and prefilled on top of the
+existing cache (never the history). Before a forward would take the cache past budget + slack, the session
+compresses it to the budget: the policy scores the cached positions, ``select_keep`` turns scores into the slots
+to keep (protecting sink, system prompt and recent window, evicting whole groups), and each layer gathers them,
+re-rotating the kept keys in ``rerotate`` mode. The engine never knows which policy it runs.
+
+Per absolute position the session keeps the token id, role, turn, message and sentence (``TokenLog``), so group
+ids, the "what the cache still sees" view, and a rebuild of the cache from the kept tokens need nothing else.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import resource
+import threading
+import time
+from collections.abc import Generator
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from ..policies import LayerView, make_policy
+from .cache import KVCache
+from .groups import select_keep, sentence_ids
+from .models import ChatModel
+from .settings import Settings
+
+ROLES = ("system", "user", "assistant")
+MAX_CHUNK = 512  # longest prefill forward
+CLOSING_RESERVE = 8  # positions kept free at a hard position limit for the tokens that close a reply
+
+
+class ContextFullError(ValueError):
+    """The conversation cannot take more tokens without passing the model's position limit."""
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def check_text(text: Any, what: str = "message") -> str:
+    if not isinstance(text, str):
+        raise ValueError(f"{what} must be text, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"{what} is not valid Unicode text (it holds unpaired surrogates)") from None
+    if "\x00" in text:
+        raise ValueError(f"{what} holds a NUL character")
+    if not text.strip():
+        raise ValueError(f"{what} is empty")
+    return text
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int = 256
+    temperature: float = 0.7  # 0 = greedy
+    top_p: float = 0.9
+
+    def validate(self) -> "Sampling":
+        if self.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        return self
+
+
+@dataclass
+class TurnResult:
+    turn: int
+    role: str
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    cache_tokens: int = 0
+    cache_bytes: int = 0
+    peak_cache_tokens: int = 0
+    evicted_tokens: int = 0
+    evicted_groups: int = 0
+    prefill_ms: float = 0.0
+    decode_ms_per_token: float | None = None
+    answer: str | None = None
+    stopped: str | None = None
+    expect: str | None = None
+    hit: bool | None = None
+    expect_nll: float | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class TokenLog:
+    """Metadata of every token fed to the model, indexed by absolute position (int32 columns, grown by doubling)."""
+
+    COLUMNS = ("token", "role", "turn", "message", "sentence")
+
+    def __init__(self):
+        self.n = 0
+        self._data = torch.zeros(len(self.COLUMNS), 1024, dtype=torch.int32)
+
+    def append(self, rows: dict[str, list[int]]) -> torch.Tensor:
+        m = len(rows["token"])
+        if self.n + m > self._data.shape[1]:
+            grown = torch.zeros(len(self.COLUMNS), max(2 * self._data.shape[1], self.n + m), dtype=torch.int32)
+            grown[:, : self.n] = self._data[:, : self.n]
+            self._data = grown
+        for i, name in enumerate(self.COLUMNS):
+            self._data[i, self.n : self.n + m] = torch.tensor(rows[name], dtype=torch.int32)
+        positions = torch.arange(self.n, self.n + m)
+        self.n += m
+        return positions
+
+    def column(self, name: str) -> torch.Tensor:
+        return self._data[self.COLUMNS.index(name), : self.n]
+
+
+class _Detokenizer:
+    """Incremental detokenization: emits text only once it no longer ends in a partial character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = 0
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta, self.emitted = text[self.emitted :], len(text)
+        return delta
+
+
+class Session:
+    def __init__(self, model: ChatModel, settings: Settings | None = None, system: str | None = "default",
+                 store=None, sampling: Sampling | None = None, seed: int = 0, title: str | None = None):
+        """``system``: the system prompt; "default" uses the template's own default (if it has one), None none."""
+        self.cm = model
+        settings = settings or Settings()
+        settings.validate(model.max_positions, model.rotary_error)
+        self.settings = settings
+        self.policy = make_policy(settings.policy, **settings.params)
+        self.sampling = (sampling or Sampling()).validate()
+        self.seed = seed
+        self.generator = torch.Generator().manual_seed(seed)
+        self.cache = KVCache(model.num_layers, settings.capacity if self.policy.bounded else None,
+                             model.max_positions)
+        self.log = TokenLog()
+        self.messages: list[dict] = []  # {"role", "content"} as the template sees them
+        self.turn = 0
+        self.store = store
+        self.conversation_id: int | None = None
+        self.title = title
+        self.history: list[TurnResult] = []
+        self.system_tokens = 0
+        self.evicted_total = 0
+        self.observer = None  # attention observer for policies that read attention
+        self._cancel = threading.Event()
+        self._pending: list[dict] = []  # turn records not yet written (the system turn waits for the first exchange)
+        self._pending_settings: list[dict] = []
+        self._events: list[dict] = []
+        self._warnings: list[str] = []
+        self._warned: set[str] = set()
+        self._sentence = (0, True)  # (last sentence id, next token starts a new one)
+        self._peak = 0
+        self.restored_from: str | None = None
+        if system == "default":
+            system = model.chat.default_system
+        if system is not None:
+            self.add("system", system)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Public API
+    # ------------------------------------------------------------------------------------------------------------
+    @property
+    def cache_tokens(self) -> int:
+        return self.cache.length
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.cache.nbytes
+
+    @property
+    def total_tokens(self) -> int:
+        return self.log.n
+
+    def cancel(self) -> None:
+        """Stop the reply being generated (from another thread); the partial reply is kept."""
+        self._cancel.set()
+
+    def configure(self, **changes: Any) -> dict:
+        """Change cache settings on the live session; they apply at the next step, without re-prefilling.
+
+        A smaller budget compresses at once. Returns the changes applied (ValueError and nothing applied if the
+        new combination is invalid).
+        """
+        new = self.settings.changed(**changes)
+        new.validate(self.cm.max_positions, self.cm.rotary_error)
+        policy = make_policy(new.policy, **new.params)
+        old = self.settings
+        applied = {k: v for k, v in new.as_dict().items() if old.as_dict().get(k) != v}
+        if not applied:
+            return {}
+        self.settings, self.policy = new, policy
+        if old.positions != new.positions:
+            self._convert_positions(old.positions, new.positions)
+        if policy.bounded:
+            shrunk = not make_policy(old.policy, **old.params).bounded or new.budget < old.budget
+            if self.cache.length > (new.budget if shrunk else new.capacity):
+                self._compress(new.budget, "settings")
+            self.cache.set_capacity(new.capacity)
+        else:
+            self.cache.set_capacity(None)
+        record = {"turn": self.turn, "changes": applied, "settings": new.as_dict(), "created_at": now_iso()}
+        if self.store is not None and self.conversation_id is not None:
+            self.store.record_settings(self.conversation_id, record)
+        else:
+            self._pending_settings.append(record)
+        return applied
+
+    def add(self, role: str, text: str) -> TurnResult:
+        """Append one message without generating (teacher forcing)."""
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        text = check_text(text, f"{role} message")
+        if role == "system" and self.messages:
+            raise ValueError("a system message can only open a conversation")
+        ids = self._encode(self.cm.chat.segment(self.messages, {"role": role, "content": text}))
+        res = self._begin(role)
+        self._check_fits(len(ids))
+        idx = self._new_message(role, text)
+        t0 = time.perf_counter()
+        self._feed([(ids, idx)])
+        res.prefill_ms = 1000 * (time.perf_counter() - t0)
+        res.prompt_tokens = len(ids)
+        if role == "system":
+            self.system_tokens = len(ids)
+        if role == "assistant":
+            res.answer = text
+        return self._end(res, [(idx, ids)])
+
+    def exchange(self, user: str, assistant: str) -> TurnResult:
+        """Append a user message and its assistant reply as given (importing or replaying a transcript)."""
+        user = check_text(user, "user message")
+        assistant = check_text(assistant, "assistant message")
+        u = {"role": "user", "content": user}
+        user_ids = self._encode(self.cm.chat.segment(self.messages, u))
+        asst_ids = self._encode(self.cm.chat.segment(self.messages + [u], {"role": "assistant", "content": assistant}))
+        res = self._begin("assistant")
+        self._check_fits(len(user_ids) + len(asst_ids))
+        mu, ma = self._new_message("user", user), self._new_message("assistant", assistant)
+        t0 = time.perf_counter()
+        self._feed([(user_ids, mu), (asst_ids, ma)])
+        res.prefill_ms = 1000 * (time.perf_counter() - t0)
+        res.prompt_tokens, res.answer = len(user_ids) + len(asst_ids), assistant
+        return self._end(res, [(mu, user_ids), (ma, asst_ids)])
+
+    def probe(self, user: str, reference: str, expect: str) -> TurnResult:
+        """Ask ``user``, teacher-force ``reference`` as the answer, and measure how well the cache predicts the
+        tokens covering ``expect`` inside it: mean NLL, and hit = each of them was the model's top choice."""
+        user = check_text(user, "user message")
+        reference = check_text(reference, "reference")
+        expect = check_text(expect, "expect")
+        at = reference.lower().find(expect.lower())
+        if at < 0:
+            raise ValueError(f"expect text {expect!r} does not occur in the reference answer")
+        u = {"role": "user", "content": user}
+        user_ids = self._encode(self.cm.chat.segment(self.messages, u))
+        header = self.cm.chat.generation_header(self.messages + [u])
+        seg = self.cm.chat.segment(self.messages + [u], {"role": "assistant", "content": reference})
+        ref_start = seg.find(reference, len(header) if seg.startswith(header) else 0)
+        if ref_start < 0:
+            raise ValueError("the chat template altered the reference answer; cannot locate the expected text")
+        asst_ids, offsets = self._encode_with_offsets(seg)
+        lo, hi = ref_start + at, ref_start + at + len(expect)
+        cover = [j for j, (a, b) in enumerate(offsets) if b > lo and a < hi]
+        res = self._begin("assistant")
+        self._check_fits(len(user_ids) + len(asst_ids))
+        mu, ma = self._new_message("user", user), self._new_message("assistant", reference)
+        t0 = time.perf_counter()
+        _, logprobs, top1 = self._feed([(user_ids, mu), (asst_ids, ma)], want_logprobs=True)
+        res.prefill_ms = 1000 * (time.perf_counter() - t0)
+        rows = [len(user_ids) + j - 1 for j in cover]  # the logits that predict each covering token
+        res.expect_nll = float(-logprobs[rows].mean())
+        res.hit = bool(top1[rows].all())
+        res.prompt_tokens, res.answer, res.expect = len(user_ids) + len(asst_ids), reference, expect
+        return self._end(res, [(mu, user_ids), (ma, asst_ids)])
+
+    def reply(self, user: str, max_new_tokens: int | None = None, temperature: float | None = None,
+              top_p: float | None = None) -> Generator[str, None, TurnResult]:
+        """Add a user message and generate the reply; returns a generator yielding text as it is decoded.
+
+        Bad input raises here, before anything is fed.
+
+        The generator's return value (``StopIteration.value``; also ``self.history[-1]``) is the TurnResult.
+        ``cancel()`` or closing the generator stops the reply; what was generated is kept and committed.
+        """
+        smp = replace(self.sampling, **{k: v for k, v in (("max_new_tokens", max_new_tokens),
+                                                          ("temperature", temperature), ("top_p", top_p))
+                                        if v is not None}).validate()
+        user = check_text(user, "user message")
+        u = {"role": "user", "content": user}
+        user_ids = self._encode(self.cm.chat.segment(self.messages, u))
+        header = self.cm.chat.generation_header(self.messages + [u])
+        header_ids = self._encode(header)
+        res = self._begin("assistant")
+        self._check_fits(len(user_ids) + len(header_ids) + CLOSING_RESERVE)
+        return self._generate(res, u, user_ids, header, header_ids, smp)
+
+    def _generate(self, res, u, user_ids, header, header_ids, smp) -> Generator[str, None, TurnResult]:
+        history = self.messages + [u]
+        mu, ma = self._new_message("user", u["content"]), self._new_message("assistant", "")
+        self._cancel.clear()
+        t0 = time.perf_counter()
+        logits = self._feed([(user_ids, mu), (header_ids, ma)])[0]
+        res.prefill_ms = 1000 * (time.perf_counter() - t0)
+        res.prompt_tokens = len(user_ids) + len(header_ids)
+        generated: list[int] = []
+        detok = _Detokenizer(self.cm.tokenizer)
+        decode_s, steps, stopped = 0.0, 0, None
+        try:
+            while True:
+                token = self._sample(logits, smp)
+                generated.append(token)
+                if token in self.cm.stop_ids:
+                    stopped = "eos"
+                    break
+                delta = detok.push(token)
+                if delta:
+                    yield delta
+                if self._cancel.is_set():
+                    stopped = "cancelled"
+                elif len(generated) >= smp.max_new_tokens:
+                    stopped = "max_tokens"
+                elif self._hard_limit_reached(1 + CLOSING_RESERVE):
+                    stopped = "context_full"
+                if stopped:
+                    break
+                t = time.perf_counter()
+                logits = self._feed([([token], ma)], continue_message=True)[0]
+                decode_s += time.perf_counter() - t
+                steps += 1
+        except GeneratorExit:
+            self._finish_reply(res, history, header, header_ids, user_ids, mu, ma, generated, "cancelled",
+                               decode_s, steps)
+            raise
+        return self._finish_reply(res, history, header, header_ids, user_ids, mu, ma, generated, stopped,
+                                  decode_s, steps)
+
+    def chat(self, user: str, **sampling) -> TurnResult:
+        """``reply`` run to the end; returns the TurnResult (its ``answer`` holds the reply)."""
+        gen = self.reply(user, **sampling)
+        while True:
+            try:
+                next(gen)
+            except StopIteration as stop:
+                return stop.value
+
+    def kept_positions(self) -> torch.Tensor:
+        """Absolute positions held by at least one layer/head, ascending."""
+        held = [layer.positions().flatten() for layer in self.cache.layers if layer.is_initialized]
+        return torch.unique(torch.cat(held)) if held else torch.zeros(0, dtype=torch.long)
+
+    def stats(self) -> dict:
+        s = self.settings
+        return {
+            "policy": s.policy, "params": dict(self.policy.values), "settings": s.as_dict(), "turns": self.turn,
+            "total_tokens": self.log.n, "cache_tokens": self.cache.length, "cache_bytes": self.cache.nbytes,
+            "capacity": s.capacity if self.policy.bounded else None, "evicted_tokens": self.evicted_total,
+            "max_positions": self.cm.max_positions, "peak_rss_mb": peak_rss_mb(),
+        }
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Persistence: snapshots and resuming
+    # ------------------------------------------------------------------------------------------------------------
+    def save_snapshot(self) -> Path | None:
+        """Write the kept KV and its positions next to the database (safetensors) and reference it from the
+        conversation. Returns the path, or None when nothing has been stored yet."""
+        if self.store is None or self.conversation_id is None or self._pending:
+            return None
+        folder = self.store.path.parent / "snapshots"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"conversation-{self.conversation_id}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        meta = {"turn": str(self.turn), "model": self.cm.name, "total_tokens": str(self.log.n),
+                "positions": self.settings.positions}
+        save_file(self.cache.state_tensors(), str(tmp), metadata=meta)
+        os.replace(tmp, path)
+        self.store.set_snapshot(self.conversation_id, str(path), self.turn)
+        return path
+
+    @classmethod
+    def resume(cls, model: ChatModel, store, conversation_id: int, use_snapshot: bool = True,
+               sampling: Sampling | None = None) -> "Session":
+        """Reopen a stored conversation. The cache is restored exactly from its snapshot when the snapshot is
+        current, else rebuilt by prefilling the kept tokens (``restored_from`` says which)."""
+        conv = store.conversation(conversation_id)
+        if conv["model"] != model.name:
+            raise ValueError(f"conversation {conversation_id} was held by model {conv['model']}, not {model.name}")
+        known = {f.name for f in fields(Settings)}
+        settings = Settings(**{k: v for k, v in conv["settings"].items() if k in known})
+        self = cls(model, settings, system=None, store=store, sampling=sampling, seed=conv["seed"] or 0,
+                   title=conv["title"])
+        self.conversation_id = conversation_id
+        for m in store.messages(conversation_id):
+            idx = self._new_message(m["role"], m["text"])
+            self.turn = m["turn"]
+            self._log_tokens([(m["tokens"], idx)], continue_message=False)
+            if idx == 0 and m["role"] == "system":
+                self.system_tokens = len(m["tokens"])
+        self.turn = conv["next_turn"]
+        self.generator.manual_seed(self.seed + self.turn)
+        stat_fields = {f.name for f in fields(TurnResult)}
+        for row in store.turn_stats(conversation_id):
+            self.history.append(TurnResult(**{k: v for k, v in row.items() if k in stat_fields}))
+        self.evicted_total = sum(r.evicted_tokens for r in self.history)
+        snap = conv.get("snapshot_path")
+        if use_snapshot and snap and conv.get("snapshot_turn") == self.turn and Path(snap).is_file():
+            with safe_open(snap, "pt") as f:
+                meta = f.metadata() or {}
+            if int(meta.get("total_tokens", -1)) == self.log.n and meta.get("positions") == settings.positions:
+                self.cache.load_state_tensors(load_file(snap), model.device, model.dtype)
+                self.restored_from = "snapshot"
+                return self
+        kept = [p for a, b in conv["kept"] or [] for p in range(a, b)]
+        self._rebuild(torch.tensor(kept, dtype=torch.long))
+        self.restored_from = "tokens"
+        return self
+
+    def _rebuild(self, positions: torch.Tensor) -> None:
+        """Prefill the tokens at ``positions`` (absolute, ascending) into an empty cache."""
+        tokens = self.log.column("token")[positions].long()
+        for i in range(0, positions.numel(), MAX_CHUNK):
+            self._forward(tokens[i: i + MAX_CHUNK], positions[i: i + MAX_CHUNK])
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Turns
+    # ------------------------------------------------------------------------------------------------------------
+    def _begin(self, role: str) -> TurnResult:
+        self._events, self._warnings = [], []
+        self._peak = self.cache.length
+        return TurnResult(turn=self.turn, role=role)
+
+    def _new_message(self, role: str, text: str) -> int:
+        self.messages.append({"role": role, "content": text})
+        return len(self.messages) - 1
+
+    def _end(self, res: TurnResult, messages: list[tuple[int, list[int]]]) -> TurnResult:
+        res.cache_tokens, res.cache_bytes = self.cache.length, self.cache.nbytes
+        res.peak_cache_tokens = self._peak
+        res.evicted_tokens = sum(e["evicted_tokens"] for e in self._events)
+        res.evicted_groups = sum(e["evicted_groups"] for e in self._events)
+        res.warnings = list(self._warnings)
+        self.history.append(res)
+        stamp = now_iso()
+        record = {
+            "turn": self.turn,
+            "messages": [{"idx": i, "role": self.messages[i]["role"], "text": self.messages[i]["content"],
+                          "tokens": ids, "turn": self.turn, "created_at": stamp} for i, ids in messages],
+            "stats": {**res.as_dict(), "policy": self.settings.policy, "settings": self.settings.as_dict(),
+                      "created_at": stamp},
+            "events": list(self._events),
+        }
+        self.turn += 1
+        self._commit(record)
+        return res
+
+    def _commit(self, record: dict) -> None:
+        self._pending.append(record)
+        if self.store is None:
+            self._pending.clear()
+            return
+        if self.conversation_id is None and all(m["role"] == "system" for r in self._pending for m in r["messages"]):
+            return  # a conversation is created with its first exchange, not by opening a session
+        if self.title is None:
+            first = next((m["text"] for r in self._pending for m in r["messages"] if m["role"] == "user"), "")
+            self.title = " ".join(first.split())[:60] or "conversation"
+        self.conversation_id = self.store.commit_turns(self.conversation_id, self._conversation_row(),
+                                                       self._pending, self._pending_settings)
+        self._pending, self._pending_settings = [], []
+
+    def _conversation_row(self) -> dict:
+        kept = self.kept_positions().tolist()
+        ranges, start = [], None
+        for a, b in zip(kept, kept[1:] + [None]):
+            start = a if start is None else start
+            if b != a + 1:
+                ranges.append([start, a + 1])
+                start = None
+        return {"title": self.title, "model": self.cm.name, "settings": asdict(self.settings),
+                "next_turn": self.turn, "total_tokens": self.log.n, "kept": ranges, "seed": self.seed,
+                "updated_at": now_iso()}
+
+    def _finish_reply(self, res, history, header, header_ids, user_ids, mu, ma, generated, stopped, decode_s,
+                      steps) -> TurnResult:
+        tok = self.cm.tokenizer
+        eos_last = stopped == "eos"
+        content = tok.decode(generated[:-1] if eos_last else generated, skip_special_tokens=True)
+        self.messages[ma]["content"] = content
+        # Close the assistant turn the way the template renders it; the last sampled token is not cached yet.
+        seg = self.cm.chat.segment(history, {"role": "assistant", "content": content})
+        raw = header + tok.decode(generated, skip_special_tokens=False)
+        if seg.startswith(raw):
+            closing = seg[len(raw):]
+        else:
+            closing, eos_text = self.cm.chat.closing, tok.decode(generated[-1:]) if eos_last else ""
+            closing = closing[len(eos_text):] if eos_last and closing.startswith(eos_text) else closing
+        tail = generated[-1:] + self._encode(closing)
+        if tail:
+            self._feed([(tail, ma)], continue_message=True)
+        res.new_tokens = len(generated)
+        res.answer, res.stopped = content, stopped
+        res.decode_ms_per_token = 1000 * decode_s / steps if steps else None
+        return self._end(res, [(mu, user_ids), (ma, header_ids + generated[:-1] + tail)])
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Feeding tokens
+    # ------------------------------------------------------------------------------------------------------------
+    def _encode(self, text: str) -> list[int]:
+        return self.cm.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def _encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        tok = self.cm.tokenizer
+        if getattr(tok, "is_fast", False):
+            enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            return enc["input_ids"], [tuple(o) for o in enc["offset_mapping"]]
+        ids = self._encode(text)
+        ends = [len(tok.decode(ids[: j + 1])) for j in range(len(ids))]
+        return ids, list(zip([0] + ends[:-1], ends))
+
+    def _log_tokens(self, segments, continue_message: bool) -> torch.Tensor:
+        rows = {name: [] for name in TokenLog.COLUMNS}
+        last, start_new = self._sentence
+        for n, (ids, msg) in enumerate(segments):
+            pieces = self.cm.tokenizer.batch_decode([[i] for i in ids])
+            sids, last, start_new = sentence_ids(pieces, last, start_new or not (continue_message and n == 0))
+            role = ROLES.index(self.messages[msg]["role"])
+            rows["token"] += ids
+            rows["sentence"] += sids
+            rows["role"] += [role] * len(ids)
+            rows["turn"] += [self.turn] * len(ids)
+            rows["message"] += [msg] * len(ids)
+        self._sentence = (last, start_new)
+        return self.log.append(rows)
+
+    def _feed(self, segments: list[tuple[list[int], int]], want_logprobs: bool = False,
+              continue_message: bool = False):
+        """Feed tokens ([(ids, message index)]) through the model on top of the cache, compressing as needed.
+
+        Returns (last logits, next-token log-probs, top-1 flags); the latter two only with ``want_logprobs``
+        (entry j scores token j+1 of the fed sequence).
+        """
+        positions = self._log_tokens(segments, continue_message)
+        ids = torch.tensor([i for seg, _ in segments for i in seg], dtype=torch.long)
+        total = ids.numel()
+        logprobs, top1, i, logits = [], [], 0, None
+        while i < total:
+            c = self._make_room(total - i)
+            logits = self._forward(ids[i: i + c], positions[i: i + c], all_logits=want_logprobs)
+            if want_logprobs:
+                targets = ids[i + 1: i + c + 1]
+                lp = torch.log_softmax(logits[: targets.numel()].float(), dim=-1).cpu()
+                logprobs.append(lp.gather(1, targets[:, None])[:, 0])
+                top1.append(lp.argmax(-1) == targets)
+            i += c
+        last = logits[-1]
+        if want_logprobs:
+            return last, torch.cat(logprobs), torch.cat(top1)
+        return last, None, None
+
+    def _forward(self, ids: torch.Tensor, abs_pos: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        n = self.cache.length
+        if self.settings.positions == "original":
+            pos = abs_pos
+        else:
+            pos = torch.arange(n, n + ids.numel())
+        device = self.cm.device
+        self.cache.incoming_abs = abs_pos.to(device=device, dtype=torch.int32)
+        extra = {"kvchat_observer": self.observer} if self.observer is not None else {}
+        with torch.no_grad():
+            out = self.cm.model(input_ids=ids[None].to(device), position_ids=pos[None].to(device),
+                                past_key_values=self.cache, use_cache=True,
+                                logits_to_keep=0 if all_logits else 1, **extra)
+        self._peak = max(self._peak, self.cache.length)
+        return out.logits[0]
+
+    def _sample(self, logits: torch.Tensor, smp: Sampling) -> int:
+        if smp.temperature <= 0:
+            return int(torch.argmax(logits))
+        probs = torch.softmax(logits.float().cpu() / smp.temperature, dim=-1)
+        if smp.top_p < 1:
+            sorted_p, order = torch.sort(probs, descending=True)
+            drop = torch.cumsum(sorted_p, 0) - sorted_p > smp.top_p
+            sorted_p[drop] = 0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+        return int(torch.multinomial(probs, 1, generator=self.generator))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Positions and limits
+    # ------------------------------------------------------------------------------------------------------------
+    def _next_position(self) -> int:
+        return self.log.n if self.settings.positions == "original" else self.cache.length
+
+    def _hard_limit(self) -> bool:
+        """Whether the model cannot go past its max positions at all (rather than degrade)."""
+        return not self.policy.bounded or (self.settings.positions == "original" and not self.cm.uses_rope)
+
+    def _hard_limit_reached(self, more: int) -> bool:
+        return self._hard_limit() and self._next_position() + more > self.cm.max_positions
+
+    def _check_fits(self, m: int) -> None:
+        limit = self.cm.max_positions
+        nxt = self._next_position()
+        if self._hard_limit() and nxt + m > limit:
+            raise ContextFullError(
+                f"this message needs {m} more positions but only {max(limit - nxt, 0)} of the model's {limit} are "
+                f"left; switch to a bounded policy (e.g. streaming) to go on"
+            )
+        if self.settings.positions == "original" and nxt + m > limit and "positions" not in self._warned:
+            self._warn("positions", f"original positions now pass the model's {limit} trained positions; "
+                                    "quality will degrade (use --positions rerotate to stay within them)")
+
+    def _warn(self, key: str, text: str) -> None:
+        self._warnings.append(text)
+        self._warned.add(key)
+
+    def _convert_positions(self, old: str, new: str) -> None:
+        rotary = self.cm.rotary
+        if rotary is None:
+            return
+        for layer in self.cache.layers:
+            if layer.is_initialized and layer.length:
+                slots = torch.arange(layer.length, device=layer.device)[None, :]
+                abs_pos = layer.positions()
+                layer.shift_positions(rotary, abs_pos - slots if new == "original" else slots - abs_pos)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Compression
+    # ------------------------------------------------------------------------------------------------------------
+    def _make_room(self, m: int) -> int:
+        """How many of the next ``m`` tokens to feed now, compressing first if the cache has no room for them."""
+        c = min(m, MAX_CHUNK)
+        if not self.policy.bounded:
+            return c
+        s = self.settings
+        n = self.cache.length
+        if n + c > s.capacity:
+            c = min(c, s.slack_tokens)
+            if n + c > s.capacity:
+                self._compress(min(s.budget, s.capacity - c), "prefill" if m > 1 else "decode")
+        return c
+
+    def _protected(self, positions: torch.Tensor, keep: int) -> torch.Tensor:
+        s = self.settings
+        heads, n = positions.shape
+        protected = torch.zeros(heads, n, dtype=torch.bool, device=positions.device)
+        window = min(s.window_tokens, keep)
+        if window:
+            protected[:, n - window:] = True
+        if self.policy.protect_start:
+            start = s.sink
+            if self.system_tokens > start:
+                if self.system_tokens + window <= keep:
+                    start = self.system_tokens
+                elif "system" not in self._warned:
+                    self._warn("system", f"the system prompt ({self.system_tokens} tokens) does not fit the budget "
+                                         "beside the window; it is no longer protected from eviction")
+            protected |= positions < start
+        return protected
+
+    def _groups(self, positions: torch.Tensor) -> torch.Tensor | None:
+        mode = self.settings.groups
+        if mode == "token":
+            return None
+        column = self.log.column("sentence" if mode == "sentence" else "message")
+        return column[positions.cpu()].to(positions.device).long()
+
+    def _compress(self, keep: int, reason: str) -> None:
+        before = self.cache.length
+        rotary = self.cm.rotary if self.settings.positions == "rerotate" else None
+        shared: tuple[torch.Tensor, torch.Tensor] | None = None
+        evicted_groups = 0
+        for li, layer in enumerate(self.cache.layers):
+            if not layer.is_initialized or layer.length <= keep:
+                continue
+            positions = layer.positions()
+            if shared is not None and torch.equal(shared[0], positions):
+                index = shared[1]
+            else:
+                view = LayerView(li, positions, layer.keys[:, :, : layer.length], layer.values[:, :, : layer.length])
+                scores = self.policy.score(view)
+                if scores.dim() == 1:
+                    scores = scores.expand(positions.shape[0], -1)
+                groups = self._groups(positions)
+                index = select_keep(scores, keep, self._protected(positions, keep), groups, self.settings.aggregate)
+                if self.policy.layer_independent:
+                    shared = (positions, index)
+            if li == 0:
+                g = self._groups(positions[:1])
+                g = positions[:1] if g is None else g
+                kept = torch.gather(g, 1, index[:1].to(g.device))
+                evicted_groups = torch.unique(g).numel() - torch.unique(kept).numel()
+            layer.keep(index, rotary)
+        after = self.cache.length
+        self.evicted_total += before - after
+        self._events.append({"turn": self.turn, "reason": reason, "before": before, "after": after,
+                             "evicted_tokens": before - after, "evicted_groups": evicted_groups,
+                             "total_tokens": self.log.n, "created_at": now_iso()})
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -1,0 +1,98 @@
+"""Chat-template rendering for incremental turns.
+
+The cache is never rebuilt from the transcript, so each new message is rendered as the text it *adds* to the
+conversation: render(history + [message]) minus render(history). Only a short context (the system message and
+the last exchange) is rendered, so the cost per turn does not grow with the chat.
+"""
+
+from __future__ import annotations
+
+PLAIN_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
+)
+# Models whose tokenizers ship without a chat template but are commonly chatted with through a plain one.
+PLAIN_TEMPLATE_MODELS = {"gpt2"}
+
+_S1, _S2, _S3 = "\x1fKVCHAT-A\x1f", "\x1fKVCHAT-B\x1f", "\x1fKVCHAT-C\x1f"
+
+
+class TemplateError(ValueError):
+    pass
+
+
+class ChatFormat:
+    def __init__(self, tokenizer, template: str):
+        self.tokenizer = tokenizer
+        self.template = template
+        self.default_system = self._detect_default_system()
+        self.closing = self._detect_closing()
+
+    @classmethod
+    def for_model(cls, tokenizer, model_type: str, template: str | None = None) -> "ChatFormat":
+        """``template``: None (the tokenizer's own), "plain", or Jinja source."""
+        if template == "plain":
+            return cls(tokenizer, PLAIN_TEMPLATE)
+        if template:
+            return cls(tokenizer, template)
+        if tokenizer.chat_template:
+            return cls(tokenizer, tokenizer.chat_template)
+        if model_type in PLAIN_TEMPLATE_MODELS:
+            return cls(tokenizer, PLAIN_TEMPLATE)
+        raise TemplateError(
+            "the model has no chat template; pass --chat-template plain or a Jinja template file"
+        )
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, chat_template=self.template, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+    @staticmethod
+    def _context(history: list[dict]) -> list[dict]:
+        """The system message (if any) and the last exchange: enough for templates that render turn by turn."""
+        head = history[:1] if history and history[0]["role"] == "system" else []
+        tail = history[len(head) :][-2:]
+        if tail and tail[0]["role"] != "user":
+            tail = tail[1:]
+        return head + tail
+
+    def _diff(self, before: list[dict], after: list[dict], before_gp=False, after_gp=False) -> str:
+        base = self.render(before, before_gp) if before else ""
+        full = self.render(after, after_gp)
+        if not full.startswith(base):
+            raise TemplateError("the chat template re-renders earlier turns, so turns cannot be added incrementally")
+        return full[len(base) :]
+
+    def segment(self, history: list[dict], message: dict) -> str:
+        """The text that appending ``message`` to ``history`` adds (for an assistant message: header included)."""
+        ctx = self._context(history)
+        return self._diff(ctx, ctx + [message])
+
+    def generation_header(self, history: list[dict]) -> str:
+        """The text that opens an assistant reply after ``history`` (the generation prompt)."""
+        ctx = self._context(history)
+        return self._diff(ctx, ctx, before_gp=False, after_gp=True)
+
+    def _detect_default_system(self) -> str | None:
+        """The system prompt the template inserts when a conversation has none (SmolLM2 does), or None."""
+        try:
+            bare = self.render([{"role": "user", "content": _S1}])
+            with_sys = self.render([{"role": "system", "content": _S2}, {"role": "user", "content": _S1}])
+        except Exception:
+            return None
+        if _S2 not in with_sys:
+            return None
+        pre, post = with_sys.split(_S2, 1)
+        if bare.startswith(pre) and bare.endswith(post) and len(bare) > len(pre) + len(post):
+            return bare[len(pre) : len(bare) - len(post)]
+        return None
+
+    def _detect_closing(self) -> str:
+        """The text a template puts after an assistant message's content (e.g. "<|im_end|>\\n")."""
+        msgs = [{"role": "user", "content": _S1}, {"role": "assistant", "content": _S2}]
+        try:
+            text = self.render(msgs)
+        except Exception as exc:  # a template that cannot render a plain exchange is unusable
+            raise TemplateError(f"the chat template cannot render a conversation: {exc}") from None
+        return text.split(_S2, 1)[1] if _S2 in text else ""

@@ -1,0 +1,33 @@
+"""Eviction policies, registered by name. One module per policy; the engine never knows which one runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .base import LayerView, Param, Policy
+
+POLICIES: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    if not cls.name or cls.name in POLICIES:
+        raise ValueError(f"policy name {cls.name!r} is empty or taken")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def policy_class(name: str) -> type[Policy]:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r} (choose from: {', '.join(POLICIES)})") from None
+
+
+def make_policy(name: str, **params: Any) -> Policy:
+    return policy_class(name)(**params)
+
+
+# Importing the modules registers them.
+from . import full, window, streaming  # noqa: E402,F401
+
+__all__ = ["POLICIES", "LayerView", "Param", "Policy", "make_policy", "policy_class", "register"]

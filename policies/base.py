@@ -1,0 +1,93 @@
+"""What a policy is: a small class that scores cached positions; the engine does everything else.
+
+A policy declares its parameters (``params``), so the CLI flags, ``kvchat policies`` and the UI settings panel
+are generated from one place. At each compression the engine calls ``score(view)`` for a layer and keeps the
+highest-scoring positions (after protecting the sink, the system prompt and the recent window, and after
+aggregating scores per group in sentence/turn mode). The engine gathers, counts and re-positions; a policy never
+touches the cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class Param:
+    """A declared policy parameter."""
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple | None = None
+    min: float | None = None
+    max: float | None = None
+
+    def parse(self, value: Any) -> Any:
+        """Convert and validate ``value`` (from a CLI string, JSON or a UI widget); ValueError if invalid."""
+        try:
+            if self.type is bool and isinstance(value, str):
+                if value.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                    raise ValueError
+                value = value.lower() in ("1", "true", "yes", "on")
+            else:
+                value = self.type(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{self.name} must be a {self.type.__name__}, got {value!r}") from None
+        if self.choices is not None and value not in self.choices:
+            raise ValueError(f"{self.name} must be one of {', '.join(map(str, self.choices))}, got {value!r}")
+        if self.min is not None and value < self.min:
+            raise ValueError(f"{self.name} must be >= {self.min}, got {value}")
+        if self.max is not None and value > self.max:
+            raise ValueError(f"{self.name} must be <= {self.max}, got {value}")
+        return value
+
+
+@dataclass
+class LayerView:
+    """What a policy may look at when scoring one layer's cached positions."""
+
+    layer: int
+    positions: torch.Tensor  # [heads, n] absolute positions, in time order per head
+    keys: torch.Tensor  # [1, heads, n, head_dim]
+    values: torch.Tensor  # [1, heads, n, head_dim]
+    stats: dict = field(default_factory=dict)  # attention statistics observed for this layer, if any
+
+
+class Policy:
+    """Base class. Subclasses set ``name``, ``summary``, ``params`` and implement ``score``."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    params: ClassVar[tuple[Param, ...]] = ()
+    #: False for a policy that never evicts (``full``): the cache then grows up to the model's max positions.
+    bounded: ClassVar[bool] = True
+    #: Whether the sink tokens and the system prompt are protected from eviction.
+    protect_start: ClassVar[bool] = True
+    #: True when scores depend only on positions (same for every layer and head): scored once per compression.
+    layer_independent: ClassVar[bool] = False
+
+    def __init__(self, **values: Any):
+        known = {p.name: p for p in self.params}
+        unknown = set(values) - set(known)
+        if unknown:
+            raise ValueError(f"policy {self.name} has no parameter {', '.join(sorted(unknown))}")
+        self.values = {name: p.parse(values.get(name, p.default)) for name, p in known.items()}
+
+    def __getattr__(self, item: str) -> Any:
+        values = self.__dict__.get("values", {})
+        if item in values:
+            return values[item]
+        raise AttributeError(item)
+
+    def score(self, view: LayerView) -> torch.Tensor:
+        """Scores [heads, n] or [n] for the cached positions of one layer; higher means keep."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in self.values.items())
+        return f"{self.name}({args})"

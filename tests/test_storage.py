@@ -1,0 +1,153 @@
+"""SQLite storage: one transaction per turn, nothing half-written, conversations resumed with their cache."""
+
+import json
+import sqlite3
+
+import pytest
+import torch
+
+from kvchat.core.session import Sampling, Session
+from kvchat.core.settings import Settings
+from kvchat.storage.db import Store
+
+GREEDY = Sampling(max_new_tokens=5, temperature=0.0)
+SETTINGS = Settings(policy="streaming", budget=48, window=8, slack=6, groups="sentence")
+
+
+def _chat(session):
+    session.exchange("My code word is mango. Remember it.", "I will remember mango.")
+    session.chat("What else can you do?")
+    session.exchange("Tell me a long story. " + "Blah " * 40, "Once upon a time. " * 6)
+
+
+def test_turns_messages_stats_and_events_are_stored(tiny, tmp_path):
+    store = Store(tmp_path / "kv.db")
+    session = Session(tiny("llama"), SETTINGS, store=store, sampling=GREEDY)
+    _chat(session)
+    cid = session.conversation_id
+    conv = store.conversation(cid)
+    assert conv["title"].startswith("My code word is mango")
+    msgs = store.messages(cid)
+    assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant", "user", "assistant"]
+    # The stored tokens are exactly what the model was fed, in order.
+    fed = session.log.column("token").tolist()
+    assert [t for m in msgs for t in m["tokens"]] == fed
+    stats = store.turn_stats(cid)
+    assert [s["turn"] for s in stats] == [0, 1, 2, 3]
+    assert stats[-1]["cache_tokens"] == session.cache_tokens and stats[-1]["policy"] == "streaming"
+    events = store.eviction_events(cid)
+    assert sum(e["evicted_tokens"] for e in events) == session.evicted_total > 0
+    assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_a_system_prompt_alone_creates_no_conversation(tiny, tmp_path):
+    store = Store(tmp_path / "kv.db")
+    Session(tiny("llama"), SETTINGS, store=store)
+    assert store.conversations() == []
+
+
+def test_failed_turn_writes_nothing(tiny, tmp_path):
+    store = Store(tmp_path / "kv.db")
+    session = Session(tiny("llama"), SETTINGS, store=store, sampling=GREEDY)
+    session.exchange("hello", "hi")
+    cid = session.conversation_id
+    n_msgs, n_stats = len(store.messages(cid)), len(store.turn_stats(cid))
+
+    def boom(*a, **k):
+        raise RuntimeError("killed mid-turn")
+
+    session._forward = boom
+    with pytest.raises(RuntimeError):
+        session.exchange("this turn dies", "never stored")
+    assert len(store.messages(cid)) == n_msgs and len(store.turn_stats(cid)) == n_stats
+
+
+def test_a_broken_write_is_rolled_back_whole(tiny, tmp_path):
+    store = Store(tmp_path / "kv.db")
+    session = Session(tiny("llama"), SETTINGS, store=store, sampling=GREEDY)
+    session.exchange("hello", "hi")
+    cid = session.conversation_id
+    n_msgs = len(store.messages(cid))
+    record = {"turn": 9, "messages": [{"idx": 99, "role": "user", "text": "x", "tokens": [1], "turn": 9,
+                                       "created_at": "t"}],
+              "stats": {"turn": 9, "created_at": "t"}, "events": [{"bad column": 1}]}
+    with pytest.raises(sqlite3.OperationalError):
+        store.commit_turns(cid, {"updated_at": "t"}, [record])
+    assert len(store.messages(cid)) == n_msgs
+
+
+@pytest.mark.parametrize("snapshot", [True, False])
+def test_resume_continues_with_the_same_cache(tiny, tmp_path, snapshot):
+    cm = tiny("llama")
+    store = Store(tmp_path / "kv.db")
+    live = Session(cm, SETTINGS, store=store, sampling=GREEDY)
+    _chat(live)
+    if snapshot:
+        assert live.save_snapshot() is not None
+    resumed = Session.resume(cm, Store(tmp_path / "kv.db"), live.conversation_id, sampling=GREEDY)
+    assert resumed.restored_from == ("snapshot" if snapshot else "tokens")
+    assert resumed.total_tokens == live.total_tokens and resumed.turn == live.turn
+    assert torch.equal(resumed.kept_positions(), live.kept_positions())
+    if snapshot:
+        for a, b in zip(resumed.cache.layers, live.cache.layers):
+            assert torch.equal(a.keys[:, :, : a.length], b.keys[:, :, : b.length])
+        # Restored exactly: the next greedy reply is the one the live session gives.
+        assert resumed.chat("And now?").answer == live.chat("And now?").answer
+    else:
+        assert resumed.chat("And now?").new_tokens > 0
+    assert resumed.conversation_id == live.conversation_id
+
+
+def test_stale_snapshot_is_not_used(tiny, tmp_path):
+    cm = tiny("llama")
+    store = Store(tmp_path / "kv.db")
+    live = Session(cm, SETTINGS, store=store, sampling=GREEDY)
+    _chat(live)
+    live.save_snapshot()
+    live.exchange("one more turn after the snapshot", "ok")  # then the process is killed
+    resumed = Session.resume(cm, store, live.conversation_id)
+    assert resumed.restored_from == "tokens"
+    assert torch.equal(resumed.kept_positions(), live.kept_positions())
+
+
+def test_settings_changes_are_recorded_and_resumed(tiny, tmp_path):
+    cm = tiny("llama")
+    store = Store(tmp_path / "kv.db")
+    session = Session(cm, SETTINGS, store=store, sampling=GREEDY)
+    session.exchange("hello", "hi")
+    session.configure(budget=40, groups="turn")
+    changes = store.settings_changes(session.conversation_id)
+    assert changes[-1]["changes"] == {"budget": 40, "groups": "turn"}
+    assert changes[-1]["turn"] == session.turn
+    resumed = Session.resume(cm, store, session.conversation_id)
+    assert resumed.settings.budget == 40 and resumed.settings.groups == "turn"
+
+
+def test_export_replays_as_a_script(tiny, tmp_path):
+    from kvchat.app.replay import load_scripts
+
+    store = Store(tmp_path / "kv.db")
+    session = Session(tiny("llama"), SETTINGS, store=store, sampling=GREEDY)
+    _chat(session)
+    lines = store.export_replay(session.conversation_id)
+    path = tmp_path / "export.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    (script,) = load_scripts(path)
+    assert script.system == session.messages[0]["content"]
+    assert [s.kind for s in script.steps] == ["exchange", "exchange", "exchange"]
+
+
+def test_rename_and_delete(tiny, tmp_path):
+    store = Store(tmp_path / "kv.db")
+    session = Session(tiny("llama"), SETTINGS, store=store, sampling=GREEDY)
+    session.exchange("hello", "hi")
+    session.save_snapshot()
+    cid = session.conversation_id
+    store.rename(cid, "Greetings")
+    assert store.conversation(cid)["title"] == "Greetings"
+    snap = store.conversation(cid)["snapshot_path"]
+    store.delete(cid)
+    assert store.conversations() == [] and store.messages(cid) == []
+    assert not (tmp_path / snap).exists()
+    with pytest.raises(ValueError, match="no conversation"):
+        store.conversation(cid)
