@@ -207,7 +207,7 @@ class Session:
         new = self.settings.changed(**changes)
         new.validate(self.cm.max_positions, self.cm.rotary_error)
         policy = make_policy(new.policy, **new.params)
-        old = self.settings
+        old, was_bounded = self.settings, self.policy.bounded
         applied = {k: v for k, v in new.as_dict().items() if old.as_dict().get(k) != v}
         if not applied:
             return {}
@@ -215,7 +215,7 @@ class Session:
         if old.positions != new.positions:
             self._convert_positions(old.positions, new.positions)
         if policy.bounded:
-            shrunk = not make_policy(old.policy, **old.params).bounded or new.budget < old.budget
+            shrunk = not was_bounded or new.budget < old.budget
             if self.cache.length > (new.budget if shrunk else new.capacity):
                 self._compress(new.budget, "settings")
             self.cache.set_capacity(new.capacity)

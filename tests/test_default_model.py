@@ -1,0 +1,81 @@
+"""The real default model (SmolLM2-135M-Instruct): equivalence, recall through the cache, bounded endless chat."""
+
+import json
+
+import pytest
+
+from kvchat.core.session import Sampling, Session
+from kvchat.core.settings import Settings
+
+from conftest import SHARED
+
+pytestmark = pytest.mark.model
+
+GREEDY = Sampling(max_new_tokens=24, temperature=0.0)
+QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbow.", "Why is the sky blue?"]
+
+
+def _replies(cm, settings):
+    session = Session(cm, settings, sampling=GREEDY)
+    return [session.chat(q).answer for q in QUESTIONS], session
+
+
+@pytest.mark.parametrize("positions", ["rerotate", "original"])
+def test_budget_larger_than_chat_gives_full_cache_replies(smol, positions):
+    full, _ = _replies(smol, Settings(policy="full", positions=positions))
+    assert "Paris" in full[0]
+    for policy, groups in [("streaming", "token"), ("streaming", "sentence"), ("window", "turn")]:
+        got, session = _replies(smol, Settings(policy=policy, budget=2048, groups=groups, positions=positions))
+        assert session.evicted_total == 0
+        assert got == full, (policy, groups)
+
+
+def _filler(n):
+    convs = json.loads((SHARED / "fastchat" / "dummy_conversation.json").read_text())
+    pairs = [(c["conversations"][0]["value"], c["conversations"][1]["value"]) for c in convs
+             if len(c["conversations"]) >= 2 and c["conversations"][0]["from"] == "human"]
+    return pairs[:n]
+
+
+def _fact_then_probe(cm, settings):
+    session = Session(cm, settings, sampling=GREEDY)
+    session.exchange("Please remember this: my locker code is 4417.", "Got it. Your locker code is 4417.")
+    for pair in _filler(40):
+        if session.total_tokens >= 400:
+            break
+        session.exchange(*pair)
+    return session, session.probe("What is my locker code?", "Your locker code is 4417.", "4417")
+
+
+def test_probe_measures_what_the_cache_still_holds(smol):
+    """With the fact in the cache its tokens are predicted (NLL ~0.07, measured); once streaming has slid past
+    it they are not (NLL ~2.8)."""
+    full, with_fact = _fact_then_probe(smol, Settings(policy="full"))
+    assert with_fact.hit and with_fact.expect_nll < 0.5
+    small = Settings(policy="streaming", budget=128, window=32, slack=16)
+    session, without = _fact_then_probe(smol, small)
+    assert session.total_tokens > 3 * small.capacity
+    assert not without.hit and without.expect_nll > 1.5
+
+
+def test_endless_chat_stays_bounded_and_positions_stay_small(smol):
+    settings = Settings(policy="streaming", budget=96, window=24, slack=12, groups="sentence")
+    session = Session(smol, settings, sampling=Sampling(max_new_tokens=12, temperature=0.0))
+    positions = []
+    forward = session.cm.model.forward
+
+    def spy(*args, **kwargs):
+        positions.append(int(kwargs["position_ids"].max()))
+        return forward(*args, **kwargs)
+
+    session.cm.model.forward = spy
+    try:
+        turns = [json.loads(line)["turns"][0] for line in (SHARED / "streaming-llm" / "mt_bench.jsonl")
+                 .read_text().splitlines()[:12]]
+        results = [session.chat(q) for q in turns]
+    finally:
+        del session.cm.model.forward
+    assert session.total_tokens > 4 * settings.capacity
+    assert max(r.peak_cache_tokens for r in results) <= settings.capacity
+    assert max(positions) < settings.capacity
+    assert all(r.new_tokens > 0 for r in results)
