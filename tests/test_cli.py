@@ -187,3 +187,41 @@ def test_sharegpt_and_mt_bench_formats(tmp_path):
     bad.write_text(json.dumps({"conversations": [{"from": "alien", "value": "x"}]}))
     with pytest.raises(ScriptError, match="conversations\\[0\\]"):
         load_scripts(bad)
+
+
+@pytest.fixture
+def param_policy():
+    """A policy with declared parameters, registered for one test."""
+    from kvchat.policies import POLICIES, Param, Policy, register
+
+    @register
+    class Oldest(Policy):
+        name = "oldest-test"
+        summary = "keeps the oldest tokens (test only)"
+        params = (Param("keep_bias", float, 1.0, "weight of age", min=0.0),
+                  Param("mode_x", str, "a", "a mode", choices=("a", "b")))
+
+        def score(self, view):
+            return -view.positions.float() * self.keep_bias
+
+    yield Oldest
+    del POLICIES["oldest-test"]
+
+
+def test_policy_parameters_become_flags(param_policy, model_dir, tmp_path, capsys):
+    from kvchat.app.cli import build_parser, settings_from_args
+
+    args = build_parser().parse_args(["replay", "x.jsonl", "--policy", "oldest-test", "--keep-bias", "2.5"])
+    settings = settings_from_args(args)
+    assert settings.params == {"keep_bias": "2.5"}
+    settings.validate(512)
+    code, out, _ = _run(capsys, "policies")
+    assert "--keep-bias (float, default 1.0): weight of age" in out
+    script = _write(tmp_path / "s.jsonl", SCRIPT[1:3])
+    code, _, err = _run(capsys, "replay", script, "--model", model_dir, "--policy", "streaming", "--keep-bias", 2)
+    assert code == 2 and "--keep-bias does not apply to policy streaming" in err
+    code, _, err = _run(capsys, "replay", script, "--model", model_dir, "--policy", "oldest-test", "--mode-x", "c")
+    assert code == 2 and "mode_x must be one of a, b" in err
+    code, out, _ = _run(capsys, "replay", script, "--model", model_dir, "--policy", "oldest-test", "--keep-bias",
+                        "0.5", "--budget", 48, "--window", 8, "--no-save", "--json")
+    assert code == 0 and json.loads(out.splitlines()[-1])["summary"]["params"]["keep_bias"] == 0.5
