@@ -211,7 +211,8 @@ def param_policy():
 def test_policy_parameters_become_flags(param_policy, model_dir, tmp_path, capsys):
     from kvchat.app.cli import build_parser, settings_from_args
 
-    args = build_parser().parse_args(["replay", "x.jsonl", "--policy", "oldest-test", "--keep-bias", "2.5"])
+    args = build_parser().parse_args(["replay", "x.jsonl", "--policy", "oldest-test", "--keep-bias", "2.5",
+                                      "--budget", "256"])
     settings = settings_from_args(args)
     assert settings.params == {"keep_bias": "2.5"}
     settings.validate(512)
