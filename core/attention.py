@@ -1,29 +1,72 @@
 """kvchat's attention function, registered with transformers' AttentionInterface.
 
-Models load with ``attn_implementation="kvchat"``. The function runs SDPA exactly as transformers' ``sdpa``
-does. When the engine passes an ``kvchat_observer`` keyword to the model's forward (transformers forwards extra
-keyword arguments down to the attention function), the observer is first given the layer's query and key
-states, from which attention-reading policies compute only the scores they need (no eager attention, no N x N
-matrices kept). Policies that need no attention pass no observer and pay nothing.
+Models load with ``attn_implementation="kvchat"``. The function runs SDPA as transformers' ``sdpa`` does, with two
+differences the cache needs:
+
+* causality is applied here, per layer (and per head for per-head budgets): query i of a chunk of q sees the
+  first n - q + i + 1 of the n cached positions. Layers (and heads) may therefore hold different numbers of
+  positions; transformers' own mask, sized from one layer, is not built (the mask interface returns None).
+* heads of different lengths arrive as a ``RaggedKV`` and attention runs per KV head.
+
+When the engine passes ``kvchat_observer`` (transformers forwards extra keyword arguments of the model's forward
+down to the attention function), the observer receives the layer's query and key states and records the attention
+statistics the running policy asked for (``core/observe.py``) — no eager attention, no N x N matrix kept. Policies
+that need no attention pass no observer and pay nothing.
 """
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+from .cache import RaggedKV
 
 ATTN_IMPLEMENTATION = "kvchat"
 
 
-def kvchat_attention(module, query, key, value, attention_mask, kvchat_observer=None, **kwargs):
+def causal_mask(q: int, n: int, device) -> torch.Tensor | None:
+    """[1, 1, q, n] bool, bottom-right aligned (the q queries are the last q of the n keys); None when q == 1."""
+    if q == 1:
+        return None
+    keys = torch.arange(n, device=device)[None, :]
+    return (keys <= torch.arange(n - q, n, device=device)[:, None])[None, None]
+
+
+def kvchat_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
+                     kvchat_observer=None, **kwargs):
+    q = query.shape[2]
     if kvchat_observer is not None:
-        kvchat_observer(module, query, key, attention_mask)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        kvchat_observer(module, query, key, scaling)
+    if isinstance(key, RaggedKV):
+        groups = query.shape[1] // len(key.heads)
+        outs = []
+        for h, (k, v) in enumerate(zip(key.heads, value.heads)):
+            qh = query[:, h * groups: (h + 1) * groups]
+            n = k.shape[2]
+            mask = causal_mask(q, n, query.device)
+            out = F.scaled_dot_product_attention(qh, k.expand(-1, groups, -1, -1), v.expand(-1, groups, -1, -1),
+                                                 attn_mask=mask, scale=scaling,
+                                                 is_causal=False)
+            outs.append(out)
+        return torch.cat(outs, dim=1).transpose(1, 2).contiguous(), None
+    n = key.shape[2]
+    if q > 1 and n == q:
+        return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
+                                      is_causal=True, **kwargs)
+    return sdpa_attention_forward(module, query, key, value, causal_mask(q, n, query.device), dropout=dropout,
+                                  scaling=scaling, is_causal=False, **kwargs)
+
+
+def _no_mask(*args, **kwargs):
+    """Masks are built per layer in ``kvchat_attention``."""
+    return None
 
 
 def register() -> str:
     """Register the attention and mask functions (idempotent); returns the implementation name."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, kvchat_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_IMPLEMENTATION, _no_mask)
     return ATTN_IMPLEMENTATION

@@ -1,14 +1,19 @@
-"""The KV cache: one preallocated buffer per layer, compacted in place when positions are evicted.
+"""The KV cache: per layer one flat buffer in which every KV head owns its own region of slots.
 
-A ``KVLayer`` holds keys and values as ``[1, heads, capacity, head_dim]`` plus, for every slot, the absolute
-position of the token it holds (per head, so per-head selections can be represented). Slots are kept in time
-order. New tokens are written after the last slot; ``keep()`` gathers the slots to keep to the front (re-rotating
-their keys when positions are re-rotated). Capacity is fixed at budget + slack for bounded policies, so nothing
-is reallocated while decoding; the unbounded ``full`` policy grows it by doubling. ``nbytes`` is what is
-allocated, not an estimate.
+Head h of a layer owns rows ``[off[h], off[h] + cap[h])`` of ``keys``, ``values``, ``abs_pos`` (the absolute
+position of the token each slot holds) and of every per-slot attention statistic; its first ``lens[h]`` rows are
+in use, in time order. New tokens are written after the last used slot; ``keep()`` gathers the slots to keep to the
+front of each region (re-rotating their keys in ``rerotate`` mode). Capacities are fixed between compressions
+(budget + slack per head), so nothing is reallocated while decoding; the unbounded ``full`` policy grows them by
+doubling. ``nbytes`` is what is allocated.
 
-``KVCache`` is a transformers ``Cache`` whose layers are ``KVLayer``s, so any model that accepts
-``past_key_values`` runs on it unmodified.
+When all heads of a layer have the same capacity and length — every policy with a uniform budget — the buffer is
+viewed as ``[1, heads, cap, dim]`` and attention runs once over it. With per-head budgets (``headaware``) the heads
+differ: ``update`` returns a ``RaggedKV`` and attention runs per head, so a head with a smaller budget really holds,
+and allocates, fewer slots (no masking of evicted keys).
+
+``KVCache`` is a transformers ``Cache`` of these layers, so any model that accepts ``past_key_values`` runs on it
+unmodified.
 """
 
 from __future__ import annotations
@@ -23,6 +28,15 @@ class CacheFullError(RuntimeError):
     """Raised when a token would be written past the cache's fixed capacity (an engine bug, not user input)."""
 
 
+class RaggedKV:
+    """Keys (or values) of one layer whose heads hold different numbers of positions: one [1, 1, n_h, d] per head."""
+
+    __slots__ = ("heads",)
+
+    def __init__(self, heads: list[torch.Tensor]):
+        self.heads = heads
+
+
 class KVLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False
@@ -31,118 +45,223 @@ class KVLayer(CacheLayerMixin):
     def __init__(self, owner: "KVCache"):
         super().__init__()
         self._owner = owner
-        self.length = 0
-        self.capacity = 0
-        self.abs_pos: torch.Tensor | None = None  # [heads, capacity] int32: absolute position held by each slot
+        self.lens: list[int] = []
+        self.caps: list[int] = []
+        self.offs: list[int] = []
+        self.pos_off: list[int] = []  # rerotate mode: slot i of head h sits at position pos_off[h] + i
+        self.stats: dict[str, torch.Tensor] = {}  # per-slot statistics, slot dimension last
+        self.abs_pos: torch.Tensor | None = None
 
     # -- transformers' layer interface ------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.shape[0] != 1:
             raise ValueError("kvchat sessions run one conversation per cache (batch size 1)")
         self.dtype, self.device = key_states.dtype, key_states.device
-        self._shape = (key_states.shape[1], key_states.shape[-1], value_states.shape[-1])
-        self._allocate(self._owner.initial_capacity(key_states.shape[-2]))
+        heads = key_states.shape[1]
+        self._dims = (key_states.shape[-1], value_states.shape[-1])
+        self.lens = [0] * heads
+        self.pos_off = [self._owner.next_pos] * heads
+        self._allocate([self._owner.initial_capacity(key_states.shape[-2])] * heads)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        n, q = self.length, key_states.shape[-2]
-        if n + q > self.capacity:
-            self.resize(self._owner.grown_capacity(n + q))
-        self.keys[:, :, n : n + q] = key_states
-        self.values[:, :, n : n + q] = value_states
-        self.abs_pos[:, n : n + q] = self._owner.incoming_abs
-        self.length = n + q
-        return self.keys[:, :, : n + q], self.values[:, :, : n + q]
+        q = key_states.shape[-2]
+        if any(n + q > c for n, c in zip(self.lens, self.caps)):
+            self.resize([self._owner.grown_capacity(n + q, c) for n, c in zip(self.lens, self.caps)])
+        incoming = self._owner.incoming_abs
+        if self.uniform:
+            n, cap = self.lens[0], self.caps[0]
+            keys, values = self.keys.view(self.heads, cap, -1), self.values.view(self.heads, cap, -1)
+            keys[:, n: n + q] = key_states[0]
+            values[:, n: n + q] = value_states[0]
+            self.abs_pos.view(self.heads, cap)[:, n: n + q] = incoming
+            for t in self.stats.values():
+                t.view(*t.shape[:-1], self.heads, cap)[..., n: n + q] = 0
+            self.lens = [n + q] * self.heads
+            return keys[None, :, : n + q], values[None, :, : n + q]
+        for h in range(self.heads):
+            a = self.offs[h] + self.lens[h]
+            self.keys[a: a + q] = key_states[0, h]
+            self.values[a: a + q] = value_states[0, h]
+            self.abs_pos[a: a + q] = incoming
+            for t in self.stats.values():
+                t[..., a: a + q] = 0
+            self.lens[h] += q
+        return self.split()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+        return max(self.lens, default=0) + query_length, 0
 
     def get_seq_length(self) -> int:
-        return self.length
+        return max(self.lens, default=0)
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
-        self.length = 0
+        self.lens = [0] * len(self.lens)
 
-    # -- kvchat's interface -----------------------------------------------------------------------------------
-    def _allocate(self, capacity: int) -> None:
-        heads, kdim, vdim = self._shape
-        self.keys = torch.empty(1, heads, capacity, kdim, dtype=self.dtype, device=self.device)
-        self.values = torch.empty(1, heads, capacity, vdim, dtype=self.dtype, device=self.device)
-        self.abs_pos = torch.empty(heads, capacity, dtype=torch.int32, device=self.device)
-        self.capacity = capacity
-
-    def resize(self, capacity: int) -> None:
-        """Reallocate to exactly ``capacity`` slots, keeping the current contents."""
-        if capacity < self.length:
-            raise ValueError(f"cannot shrink a layer holding {self.length} tokens to {capacity} slots")
-        if capacity == self.capacity:
-            return
-        old = (self.keys, self.values, self.abs_pos, self.length)
-        self._allocate(capacity)
-        keys, values, abs_pos, n = old
-        self.keys[:, :, :n] = keys[:, :, :n]
-        self.values[:, :, :n] = values[:, :, :n]
-        self.abs_pos[:, :n] = abs_pos[:, :n]
-
+    # -- layout -----------------------------------------------------------------------------------------------
     @property
     def heads(self) -> int:
-        return self._shape[0]
+        return len(self.caps)
+
+    @property
+    def length(self) -> int:
+        """Positions held by the fullest head."""
+        return max(self.lens, default=0)
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.caps)) == 1 and len(set(self.lens)) == 1
+
+    def _allocate(self, caps: list[int]) -> None:
+        kdim, vdim = self._dims
+        total = sum(caps)
+        self.caps = list(caps)
+        self.offs = [sum(caps[:h]) for h in range(len(caps))]
+        self.keys = torch.empty(total, kdim, dtype=self.dtype, device=self.device)
+        self.values = torch.empty(total, vdim, dtype=self.dtype, device=self.device)
+        self.abs_pos = torch.empty(total, dtype=torch.int32, device=self.device)
+        self.stats = {name: torch.zeros(*t.shape[:-1], total, dtype=t.dtype, device=self.device)
+                      for name, t in self.stats.items()}
+
+    def resize(self, caps: list[int]) -> None:
+        """Reallocate to exactly ``caps`` slots per head, keeping the current contents."""
+        if any(c < n for c, n in zip(caps, self.lens)):
+            raise ValueError(f"cannot shrink heads holding {self.lens} tokens to {caps} slots")
+        if list(caps) == self.caps:
+            return
+        old = (self.keys, self.values, self.abs_pos, dict(self.stats), list(self.offs))
+        self._allocate(caps)
+        keys, values, abs_pos, stats, offs = old
+        for h, n in enumerate(self.lens):
+            src, dst = slice(offs[h], offs[h] + n), slice(self.offs[h], self.offs[h] + n)
+            self.keys[dst] = keys[src]
+            self.values[dst] = values[src]
+            self.abs_pos[dst] = abs_pos[src]
+            for name, t in stats.items():
+                self.stats[name][..., dst] = t[..., src]
+
+    def ensure_stat(self, name: str, lead: tuple[int, ...] = (), dtype=torch.float32) -> torch.Tensor:
+        """A per-slot statistic ``lead + [slots]`` (zeros for slots that held nothing yet)."""
+        t = self.stats.get(name)
+        if t is None or tuple(t.shape[:-1]) != lead:
+            t = torch.zeros(*lead, self.keys.shape[0], dtype=dtype, device=self.device)
+            self.stats[name] = t
+        return t
+
+    def split(self) -> tuple[RaggedKV, RaggedKV]:
+        ks, vs = [], []
+        for h in range(self.heads):
+            a, n = self.offs[h], self.lens[h]
+            ks.append(self.keys[a: a + n][None, None])
+            vs.append(self.values[a: a + n][None, None])
+        return RaggedKV(ks), RaggedKV(vs)
+
+    def head_view(self, t: torch.Tensor, h: int) -> torch.Tensor:
+        """Head h's used slots of a per-slot tensor (slot dimension last)."""
+        return t[..., self.offs[h]: self.offs[h] + self.lens[h]]
+
+    def padded(self, t: torch.Tensor, fill=0) -> torch.Tensor:
+        """A per-slot tensor as ``lead + [heads, max_len]``, padding shorter heads with ``fill``."""
+        if self.uniform:
+            return t.view(*t.shape[:-1], self.heads, self.caps[0])[..., : self.lens[0]]
+        out = torch.full((*t.shape[:-1], self.heads, self.length), fill, dtype=t.dtype, device=t.device)
+        for h in range(self.heads):
+            out[..., h, : self.lens[h]] = self.head_view(t, h)
+        return out
+
+    def valid(self) -> torch.Tensor:
+        """[heads, max_len] True where a head holds a position."""
+        idx = torch.arange(self.length, device=self.device)[None, :]
+        return idx < torch.tensor(self.lens, device=self.device)[:, None]
 
     def positions(self) -> torch.Tensor:
-        """Absolute positions of the held tokens, [heads, length] (int64)."""
-        return self.abs_pos[:, : self.length].long()
+        """Absolute positions of the held tokens, [heads, max_len] (int64; -1 where a shorter head has none)."""
+        return self.padded(self.abs_pos, fill=-1).long()
 
-    def keep(self, index: torch.Tensor, rotary: Rotary | None = None) -> None:
-        """Keep the slots ``index`` ([heads, k] or [k], ascending per head), dropping the rest.
+    def keys_dense(self) -> torch.Tensor:
+        """Keys as [1, heads, max_len, dim] (zeros where a shorter head has none)."""
+        if self.uniform:
+            return self.keys.view(self.heads, self.caps[0], -1)[None, :, : self.lens[0]]
+        out = torch.zeros(1, self.heads, self.length, self.keys.shape[-1], dtype=self.dtype, device=self.device)
+        for h in range(self.heads):
+            out[0, h, : self.lens[h]] = self.keys[self.offs[h]: self.offs[h] + self.lens[h]]
+        return out
 
-        With ``rotary``, the kept keys are rotated from their current position (their slot) to their new slot,
-        so they sit at contiguous positions 0..k-1.
+    # -- compression ------------------------------------------------------------------------------------------
+    def keep(self, index: list[torch.Tensor], rotary: Rotary | None = None, next_pos: int | None = None,
+             caps: list[int] | None = None) -> None:
+        """Keep, per head, the slots ``index[h]`` (ascending) and drop the rest; then set capacities ``caps``.
+
+        With ``rotary`` the kept keys are rotated from their current position to their new one: head h's kept
+        slots end right before ``next_pos`` (the position the next token will get in every layer).
         """
-        heads = self.heads
-        if index.dim() == 1:
-            index = index.expand(heads, -1)
-        index = index.to(self.device)
-        k = index.shape[-1]
-        kidx = index[None, :, :, None]
-        keys = torch.gather(self.keys[:, :, : self.length], 2, kidx.expand(1, heads, k, self.keys.shape[-1]))
-        values = torch.gather(self.values[:, :, : self.length], 2, kidx.expand(1, heads, k, self.values.shape[-1]))
-        abs_pos = torch.gather(self.abs_pos[:, : self.length], 1, index)
-        if rotary is not None:
-            delta = torch.arange(k, device=self.device)[None, :] - index
-            keys = rotary.rotate(keys, delta)
-        self.keys[:, :, :k] = keys
-        self.values[:, :, :k] = values
-        self.abs_pos[:, :k] = abs_pos
-        self.length = k
+        caps = caps or self.caps
+        kept = [int(i.numel()) for i in index]
+        gathered = []
+        for h, idx in enumerate(index):
+            src = idx.to(self.device) + self.offs[h]
+            keys = self.keys[src]
+            if rotary is not None:
+                new_pos = next_pos - kept[h] + torch.arange(kept[h], device=self.device)
+                keys = rotary.rotate(keys, new_pos - (self.pos_off[h] + idx.to(self.device)))
+            gathered.append((keys, self.values[src], self.abs_pos[src],
+                             {name: t[..., src] for name, t in self.stats.items()}))
+        if caps != self.caps:
+            self.lens = [0] * self.heads
+            self._allocate(caps)
+        for h, (keys, values, abs_pos, stats) in enumerate(gathered):
+            dst = slice(self.offs[h], self.offs[h] + kept[h])
+            self.keys[dst] = keys
+            self.values[dst] = values
+            self.abs_pos[dst] = abs_pos
+            for name, t in stats.items():
+                self.stats[name][..., dst] = t
+        self.lens = kept
+        if next_pos is not None:
+            self.pos_off = [next_pos - k for k in kept]
 
-    def shift_positions(self, rotary: Rotary, delta: torch.Tensor) -> None:
-        """Rotate every held key by ``delta`` [heads, length] positions (used when the position mode changes)."""
-        self.keys[:, :, : self.length] = rotary.rotate(self.keys[:, :, : self.length], delta)
+    def shift_positions(self, rotary: Rotary, to_original: bool) -> None:
+        """Rotate every held key between its ``rerotate`` position and its absolute position."""
+        for h in range(self.heads):
+            a, n = self.offs[h], self.lens[h]
+            slots = self.pos_off[h] + torch.arange(n, device=self.device)
+            delta = self.abs_pos[a: a + n].long() - slots
+            self.keys[a: a + n] = rotary.rotate(self.keys[a: a + n], delta if to_original else -delta)
 
     @property
     def nbytes(self) -> int:
         if not self.is_initialized:
             return 0
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.abs_pos))
+        tensors = [self.keys, self.values, self.abs_pos, *self.stats.values()]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes of keys and values alone."""
+        if not self.is_initialized:
+            return 0
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
 
 
 class KVCache(Cache):
-    """A transformers Cache of ``KVLayer``s with a capacity the engine controls.
+    """A transformers Cache of ``KVLayer``s with capacities the engine controls.
 
-    ``capacity`` is the fixed number of slots per layer (budget + slack) or None for a cache that grows
-    (by doubling, up to ``max_capacity``). Before each forward the engine sets ``incoming_abs``, the absolute
-    positions of the tokens about to be written.
+    ``capacity`` is the default number of slots per head (budget + slack) or None for a cache that grows (by
+    doubling, up to ``max_capacity``). Before each forward the engine sets ``incoming_abs``, the absolute
+    positions of the tokens about to be written; ``next_pos`` is the position the next token gets in ``rerotate``
+    mode (every layer's kept keys end right before it).
     """
 
     def __init__(self, num_layers: int, capacity: int | None, max_capacity: int):
         self.capacity = capacity
         self.max_capacity = max_capacity
         self.incoming_abs: torch.Tensor | None = None
+        self.next_pos = 0
         super().__init__(layers=[KVLayer(self) for _ in range(num_layers)])
 
     def initial_capacity(self, needed: int) -> int:
@@ -150,25 +269,48 @@ class KVCache(Cache):
             return self.capacity
         return min(max(256, needed), self.max_capacity)
 
-    def grown_capacity(self, needed: int) -> int:
+    def grown_capacity(self, needed: int, current: int) -> int:
+        if needed <= current:
+            return current
         if self.capacity is not None or needed > self.max_capacity:
-            raise CacheFullError(f"{needed} tokens do not fit the cache's {self.capacity or self.max_capacity} slots")
-        cap = max(256, self.layers[0].capacity)
+            raise CacheFullError(f"{needed} tokens do not fit the cache's {current} slots")
+        cap = max(256, current)
         while cap < needed:
             cap *= 2
         return min(cap, self.max_capacity)
 
     def set_capacity(self, capacity: int | None) -> None:
-        """Fix (or free, with None) the number of slots; the layers are reallocated to it now."""
+        """Fix (or free, with None) the number of slots per head; the layers are reallocated to it now."""
         self.capacity = capacity
         for layer in self.layers:
             if layer.is_initialized:
-                layer.resize(capacity if capacity is not None else max(layer.length, 256))
+                # A head holding more than the new capacity (a larger per-layer or per-head budget before) keeps
+                # its slots; the next step then has no room and compresses it to the new budget.
+                layer.resize([max(capacity, n) if capacity is not None else max(n, 256) for n in layer.lens])
 
     @property
     def length(self) -> int:
-        """Cached positions per layer (the largest layer when layers differ)."""
+        """Cached positions per layer (the fullest head of the fullest layer)."""
         return max((layer.length for layer in self.layers), default=0)
+
+    @property
+    def mean_length(self) -> int:
+        """Positions per layer and head, averaged (rounded up): the length for a uniform budget."""
+        slots = sum(layer.heads for layer in self.layers if layer.is_initialized)
+        return -(-self.total_positions // slots) if slots else 0
+
+    @property
+    def room(self) -> int:
+        """Tokens every head can still take without growing or compressing (None-capacity caches can grow)."""
+        rooms = [c - n for layer in self.layers if layer.is_initialized for c, n in zip(layer.caps, layer.lens)]
+        if self.capacity is None:
+            return self.max_capacity - self.length
+        return min(rooms) if rooms else self.capacity
+
+    @property
+    def total_positions(self) -> int:
+        """Positions held, summed over layers and heads."""
+        return sum(sum(layer.lens) for layer in self.layers)
 
     @property
     def nbytes(self) -> int:
@@ -176,26 +318,43 @@ class KVCache(Cache):
 
     # -- snapshots --------------------------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        out = {}
+        out = {"next_pos": torch.tensor([self.next_pos])}
         for i, layer in enumerate(self.layers):
-            if layer.is_initialized:
-                n = layer.length
-                out[f"{i}.keys"] = layer.keys[:, :, :n].contiguous()
-                out[f"{i}.values"] = layer.values[:, :, :n].contiguous()
-                out[f"{i}.abs_pos"] = layer.abs_pos[:, :n].contiguous()
+            if not layer.is_initialized:
+                continue
+            for h in range(layer.heads):
+                a, n = layer.offs[h], layer.lens[h]
+                out[f"{i}.{h}.keys"] = layer.keys[a: a + n].contiguous()
+                out[f"{i}.{h}.values"] = layer.values[a: a + n].contiguous()
+                out[f"{i}.{h}.abs_pos"] = layer.abs_pos[a: a + n].contiguous()
+            out[f"{i}.pos_off"] = torch.tensor(layer.pos_off)
+            out[f"{i}.caps"] = torch.tensor(layer.caps)
+            for name, t in layer.stats.items():
+                out[f"{i}.stat.{name}"] = t.contiguous()
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], device, dtype) -> None:
+        self.next_pos = int(tensors["next_pos"][0])
         for i, layer in enumerate(self.layers):
-            keys = tensors[f"{i}.keys"].to(device=device, dtype=dtype)
-            values = tensors[f"{i}.values"].to(device=device, dtype=dtype)
-            abs_pos = tensors[f"{i}.abs_pos"].to(device=device, dtype=torch.int32)
-            n = keys.shape[-2]
+            caps = tensors[f"{i}.caps"].tolist()
+            heads = len(caps)
+            keys = [tensors[f"{i}.{h}.keys"].to(device=device, dtype=dtype) for h in range(heads)]
+            values = [tensors[f"{i}.{h}.values"].to(device=device, dtype=dtype) for h in range(heads)]
             layer.dtype, layer.device = dtype, device
-            layer._shape = (keys.shape[1], keys.shape[-1], values.shape[-1])
-            layer._allocate(self.capacity if self.capacity is not None else max(256, n))
+            layer._dims = (keys[0].shape[-1], values[0].shape[-1])
+            layer.stats = {}
+            layer.lens = [0] * heads
+            layer._allocate(caps)
             layer.is_initialized = True
-            layer.keys[:, :, :n] = keys
-            layer.values[:, :, :n] = values
-            layer.abs_pos[:, :n] = abs_pos
-            layer.length = n
+            for h in range(heads):
+                n = keys[h].shape[0]
+                dst = slice(layer.offs[h], layer.offs[h] + n)
+                layer.keys[dst] = keys[h]
+                layer.values[dst] = values[h]
+                layer.abs_pos[dst] = tensors[f"{i}.{h}.abs_pos"].to(device=device, dtype=torch.int32)
+                layer.lens[h] = n
+            layer.pos_off = tensors[f"{i}.pos_off"].tolist()
+            for key, t in tensors.items():
+                prefix = f"{i}.stat."
+                if key.startswith(prefix):
+                    layer.stats[key[len(prefix):]] = t.to(device)

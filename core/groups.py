@@ -49,44 +49,59 @@ def sentence_ids(pieces: list[str], last_id: int, start_new: bool) -> tuple[list
 
 def select_keep(
     scores: torch.Tensor,
-    keep: int,
+    keep: int | list[int],
     protected: torch.Tensor,
     groups: torch.Tensor | None = None,
     aggregate: str = "mean",
-) -> torch.Tensor:
-    """Slots to keep, ascending, shape [heads, keep].
+    valid: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """Slots to keep per head, each ascending.
 
-    scores: [heads, n] (higher = keep); protected: [heads, n] bool; groups: [heads, n] group ids or None for
-    token-level eviction. Exactly ``keep`` slots are returned per head (protected ones first in priority).
+    scores: [heads, n] (higher = keep); keep: positions to keep, for every head or per head; protected:
+    [heads, n] bool; groups: [heads, n] group ids, or None for token-level eviction; valid: [heads, n] bool
+    where heads of different lengths are padded. Exactly ``keep`` slots per head are returned (fewer only if a
+    head holds fewer), protected ones first.
     """
     heads, n = scores.shape
-    if keep >= n:
-        return torch.arange(n, device=scores.device).expand(heads, n)
-    scores = scores.float()
+    if valid is None:
+        valid = torch.ones(heads, n, dtype=torch.bool, device=scores.device)
+    held = valid.sum(1).tolist()
+    counts = [min(k, m) for k, m in zip([keep] * heads if isinstance(keep, int) else keep, held)]
+    scores = scores.float().masked_fill(~valid, float("-inf"))
+    protected = protected & valid
     if groups is None:
         key = scores.masked_fill(protected, float("inf"))
-        idx = torch.topk(key, keep, dim=-1).indices
-        return idx.sort(dim=-1).values
+        if len(set(counts)) == 1 and bool(valid.all()):
+            return list(torch.topk(key, counts[0], dim=-1).indices.sort(dim=-1).values)
+        order = torch.argsort(key, dim=-1, descending=True, stable=True)
+    else:
+        order = _group_order(scores, protected, groups.masked_fill(~valid, -1), aggregate)
+    order = torch.gather(order, 1, torch.argsort(torch.gather(valid.to(torch.int8), 1, order), dim=-1,
+                                                 descending=True, stable=True))
+    return [order[h, : counts[h]].sort().values for h in range(heads)]
 
-    # Per-head group aggregate over the unprotected tokens of each group.
+
+def _group_order(scores, protected, groups, aggregate) -> torch.Tensor:
+    """Slots best first: protected, then whole groups by aggregated score, tokens within a group by score."""
+    heads = scores.shape[0]
     _, inverse = torch.unique(groups, return_inverse=True)
     n_groups = int(inverse.max()) + 1
-    free = ~protected
-    masked = torch.where(free, scores, torch.zeros_like(scores))
-    count = torch.zeros(heads, n_groups, device=scores.device).scatter_add_(1, inverse, free.float())
+    free = ~protected & torch.isfinite(scores)
+    device = scores.device
+    count = torch.zeros(heads, n_groups, device=device).scatter_add_(1, inverse, free.float())
     if aggregate == "max":
-        agg = torch.full((heads, n_groups), float("-inf"), device=scores.device)
-        agg = agg.scatter_reduce(1, inverse, scores.masked_fill(protected, float("-inf")), "amax")
+        agg = torch.full((heads, n_groups), float("-inf"), device=device)
+        agg = agg.scatter_reduce(1, inverse, scores.masked_fill(~free, float("-inf")), "amax")
     else:
-        agg = torch.zeros(heads, n_groups, device=scores.device).scatter_add_(1, inverse, masked)
+        agg = torch.zeros(heads, n_groups, device=device).scatter_add_(
+            1, inverse, torch.where(free, scores, torch.zeros_like(scores)))
         if aggregate == "mean":
             agg = agg / count.clamp(min=1)
     token_group_score = torch.gather(agg, 1, inverse)
-
-    # Priority order, by successive stable sorts from the least to the most significant key:
+    # Successive stable sorts from the least to the most significant key:
     # token score desc < group id (keeps a group's tokens together) < group score desc < protected first.
     order = torch.argsort(scores, dim=-1, descending=True, stable=True)
     for key, descending in ((inverse, False), (token_group_score, True), (protected.to(torch.int8), True)):
         k = torch.gather(key, 1, order)
         order = torch.gather(order, 1, torch.argsort(k, dim=-1, descending=descending, stable=True))
-    return order[:, :keep].sort(dim=-1).values
+    return order

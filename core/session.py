@@ -30,6 +30,7 @@ from ..policies import LayerView, make_policy
 from .cache import KVCache
 from .groups import select_keep, sentence_ids
 from .models import ChatModel
+from .observe import Observer
 from .settings import Settings
 
 ROLES = ("system", "user", "assistant")
@@ -164,7 +165,7 @@ class Session:
         self.history: list[TurnResult] = []
         self.system_tokens = 0
         self.evicted_total = 0
-        self.observer = None  # attention observer for policies that read attention
+        self.observer = self._make_observer(self.policy)
         self._cancel = threading.Event()
         self._pending: list[dict] = []  # turn records not yet written (the system turn waits for the first exchange)
         self._pending_settings: list[dict] = []
@@ -184,7 +185,8 @@ class Session:
     # ------------------------------------------------------------------------------------------------------------
     @property
     def cache_tokens(self) -> int:
-        return self.cache.length
+        """Cached positions per layer (averaged over layers and heads when budgets differ)."""
+        return self.cache.mean_length
 
     @property
     def cache_bytes(self) -> int:
@@ -212,11 +214,13 @@ class Session:
         if not applied:
             return {}
         self.settings, self.policy = new, policy
+        if (old.policy, old.params) != (new.policy, new.params):
+            self.observer = self._make_observer(policy)
         if old.positions != new.positions:
             self._convert_positions(old.positions, new.positions)
         if policy.bounded:
             shrunk = not was_bounded or new.budget < old.budget
-            if self.cache.length > (new.budget if shrunk else new.capacity):
+            if shrunk and self.cache.mean_length > new.budget:
                 self._compress(new.budget, "settings")
             self.cache.set_capacity(new.capacity)
         else:
@@ -369,7 +373,10 @@ class Session:
     def kept_positions(self) -> torch.Tensor:
         """Absolute positions held by at least one layer/head, ascending."""
         held = [layer.positions().flatten() for layer in self.cache.layers if layer.is_initialized]
-        return torch.unique(torch.cat(held)) if held else torch.zeros(0, dtype=torch.long)
+        if not held:
+            return torch.zeros(0, dtype=torch.long)
+        held = torch.unique(torch.cat(held))
+        return held[held >= 0].cpu()
 
     def stats(self) -> dict:
         s = self.settings
@@ -378,6 +385,8 @@ class Session:
             "total_tokens": self.log.n, "cache_tokens": self.cache.length, "cache_bytes": self.cache.nbytes,
             "capacity": s.capacity if self.policy.bounded else None, "evicted_tokens": self.evicted_total,
             "max_positions": self.cm.max_positions, "peak_rss_mb": peak_rss_mb(),
+            "observer_bytes": self.observer.nbytes if self.observer is not None else 0,
+            **self.policy.report(),
         }
 
     # ------------------------------------------------------------------------------------------------------------
@@ -456,7 +465,7 @@ class Session:
         return len(self.messages) - 1
 
     def _end(self, res: TurnResult, messages: list[tuple[int, list[int]]]) -> TurnResult:
-        res.cache_tokens, res.cache_bytes = self.cache.length, self.cache.nbytes
+        res.cache_tokens, res.cache_bytes = self.cache.mean_length, self.cache.nbytes
         res.peak_cache_tokens = self._peak
         res.evicted_tokens = sum(e["evicted_tokens"] for e in self._events)
         res.evicted_groups = sum(e["evicted_groups"] for e in self._events)
@@ -579,20 +588,27 @@ class Session:
         return last, None, None
 
     def _forward(self, ids: torch.Tensor, abs_pos: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        n = self.cache.length
         if self.settings.positions == "original":
             pos = abs_pos
         else:
-            pos = torch.arange(n, n + ids.numel())
+            pos = torch.arange(self.cache.next_pos, self.cache.next_pos + ids.numel())
         device = self.cm.device
         self.cache.incoming_abs = abs_pos.to(device=device, dtype=torch.int32)
-        extra = {"kvchat_observer": self.observer} if self.observer is not None else {}
+        extra = {}
+        if self.observer is not None:
+            self.observer.positions = pos.to(device)
+            extra["kvchat_observer"] = self.observer
         with torch.no_grad():
             out = self.cm.model(input_ids=ids[None].to(device), position_ids=pos[None].to(device),
                                 past_key_values=self.cache, use_cache=True,
                                 logits_to_keep=0 if all_logits else 1, **extra)
-        self._peak = max(self._peak, self.cache.length)
+        self.cache.next_pos += ids.numel()
+        self._peak = max(self._peak, self.cache.mean_length)
         return out.logits[0]
+
+    def _make_observer(self, policy) -> Observer | None:
+        accumulate, window = "acc" in policy.observes, policy.obs_window
+        return Observer(self.cache, accumulate, window) if accumulate or window else None
 
     def _sample(self, logits: torch.Tensor, smp: Sampling) -> int:
         if smp.temperature <= 0:
@@ -609,7 +625,7 @@ class Session:
     # Positions and limits
     # ------------------------------------------------------------------------------------------------------------
     def _next_position(self) -> int:
-        return self.log.n if self.settings.positions == "original" else self.cache.length
+        return self.log.n if self.settings.positions == "original" else self.cache.next_pos
 
     def _hard_limit(self) -> bool:
         """Whether the model cannot go past its max positions at all (rather than degrade)."""
@@ -635,14 +651,14 @@ class Session:
         self._warned.add(key)
 
     def _convert_positions(self, old: str, new: str) -> None:
-        rotary = self.cm.rotary
-        if rotary is None:
-            return
-        for layer in self.cache.layers:
-            if layer.is_initialized and layer.length:
-                slots = torch.arange(layer.length, device=layer.device)[None, :]
-                abs_pos = layer.positions()
-                layer.shift_positions(rotary, abs_pos - slots if new == "original" else slots - abs_pos)
+        layers = [layer for layer in self.cache.layers if layer.is_initialized]
+        if new == "rerotate":  # kept keys end right before the next position, as after a compression
+            self.cache.next_pos = self.cache.length
+            for layer in layers:
+                layer.pos_off = [self.cache.next_pos - n for n in layer.lens]
+        if self.cm.rotary is not None:
+            for layer in layers:
+                layer.shift_positions(self.cm.rotary, to_original=new == "original")
 
     # ------------------------------------------------------------------------------------------------------------
     # Compression
@@ -653,20 +669,18 @@ class Session:
         if not self.policy.bounded:
             return c
         s = self.settings
-        n = self.cache.length
-        if n + c > s.capacity:
+        if c > self.cache.room:
             c = min(c, s.slack_tokens)
-            if n + c > s.capacity:
-                self._compress(min(s.budget, s.capacity - c), "prefill" if m > 1 else "decode")
+            if c > self.cache.room:
+                self._compress(s.budget, "prefill" if m > 1 else "decode")
         return c
 
-    def _protected(self, positions: torch.Tensor, keep: int) -> torch.Tensor:
+    def _protected(self, positions: torch.Tensor, lens: list[int], keep: int) -> torch.Tensor:
         s = self.settings
-        heads, n = positions.shape
-        protected = torch.zeros(heads, n, dtype=torch.bool, device=positions.device)
         window = min(s.window_tokens, keep)
-        if window:
-            protected[:, n - window:] = True
+        slots = torch.arange(positions.shape[1], device=positions.device)[None, :]
+        lens_t = torch.tensor(lens, device=positions.device)[:, None]
+        protected = (slots >= lens_t - window) & (slots < lens_t)
         if self.policy.protect_start:
             start = s.sink
             if self.system_tokens > start:
@@ -675,7 +689,7 @@ class Session:
                 elif "system" not in self._warned:
                     self._warn("system", f"the system prompt ({self.system_tokens} tokens) does not fit the budget "
                                          "beside the window; it is no longer protected from eviction")
-            protected |= positions < start
+            protected |= (positions < start) & (positions >= 0)
         return protected
 
     def _groups(self, positions: torch.Tensor) -> torch.Tensor | None:
@@ -683,35 +697,53 @@ class Session:
         if mode == "token":
             return None
         column = self.log.column("sentence" if mode == "sentence" else "message")
-        return column[positions.cpu()].to(positions.device).long()
+        ids = column[positions.clamp(min=0).cpu()].to(positions.device).long()
+        return ids.masked_fill(positions < 0, -1)
+
+    def _view(self, li: int, layer) -> LayerView:
+        rerotate = self.settings.positions == "rerotate"
+        positions = layer.positions()
+        view = LayerView(li, positions, layer.valid(), layer.keys_dense(), groups=self._groups(positions))
+        if "acc" in self.policy.observes and "acc" in layer.stats:
+            view.acc = layer.padded(layer.stats["acc"])
+        if "window" in self.policy.observes and self.observer is not None:
+            view.window = self.observer.window_attention(li, self.cm.rotary if rerotate else None,
+                                                         self.cache.next_pos if rerotate else None)
+        return view
 
     def _compress(self, keep: int, reason: str) -> None:
-        before = self.cache.length
-        rotary = self.cm.rotary if self.settings.positions == "rerotate" else None
-        shared: tuple[torch.Tensor, torch.Tensor] | None = None
-        evicted_groups = 0
-        for li, layer in enumerate(self.cache.layers):
-            if not layer.is_initialized or layer.length <= keep:
-                continue
-            positions = layer.positions()
-            if shared is not None and torch.equal(shared[0], positions):
+        s = self.settings
+        before = self.cache.mean_length
+        layers = [(li, layer) for li, layer in enumerate(self.cache.layers) if layer.is_initialized]
+        views = [self._view(li, layer) for li, layer in layers]
+        minimum = s.window_tokens + (s.sink if self.policy.protect_start else 0) + 1
+        alloc = self.policy.allocate(views, keep, minimum)
+        shared: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        plans, evicted_groups = [], 0
+        for (li, layer), view in zip(layers, views):
+            counts = alloc[li] if alloc is not None else [keep] * layer.heads
+            if shared is not None and alloc is None and torch.equal(shared[0], view.positions):
                 index = shared[1]
             else:
-                view = LayerView(li, positions, layer.keys[:, :, : layer.length], layer.values[:, :, : layer.length])
                 scores = self.policy.score(view)
                 if scores.dim() == 1:
-                    scores = scores.expand(positions.shape[0], -1)
-                groups = self._groups(positions)
-                index = select_keep(scores, keep, self._protected(positions, keep), groups, self.settings.aggregate)
+                    scores = scores.expand(layer.heads, -1)
+                protected = self._protected(view.positions, layer.lens, min(counts))
+                index = select_keep(scores, counts, protected, view.groups, s.aggregate, view.valid)
                 if self.policy.layer_independent:
-                    shared = (positions, index)
+                    shared = (view.positions, index)
             if li == 0:
-                g = self._groups(positions[:1])
-                g = positions[:1] if g is None else g
-                kept = torch.gather(g, 1, index[:1].to(g.device))
-                evicted_groups = torch.unique(g).numel() - torch.unique(kept).numel()
-            layer.keep(index, rotary)
-        after = self.cache.length
+                held = view.positions[0][view.valid[0]]
+                g = held if view.groups is None else view.groups[0][view.valid[0]]
+                evicted_groups = torch.unique(g).numel() - torch.unique(g[index[0].to(g.device)]).numel()
+            plans.append((layer, index, [c + s.slack_tokens for c in counts] if alloc is not None else None))
+        next_pos = max(int(i.numel()) for _, index, _ in plans for i in index)
+        rotary = self.cm.rotary if s.positions == "rerotate" else None
+        for layer, index, caps in plans:
+            layer.keep(index, rotary, next_pos, caps or [s.capacity] * layer.heads)
+        if s.positions == "rerotate":
+            self.cache.next_pos = next_pos
+        after = self.cache.mean_length
         self.evicted_total += before - after
         self._events.append({"turn": self.turn, "reason": reason, "before": before, "after": after,
                              "evicted_tokens": before - after, "evicted_groups": evicted_groups,

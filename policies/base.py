@@ -49,13 +49,24 @@ class Param:
 
 @dataclass
 class LayerView:
-    """What a policy may look at when scoring one layer's cached positions."""
+    """What a policy may look at when scoring one layer's cached positions.
+
+    Per KV head, slots are in time order. Heads may hold different numbers of positions (per-head budgets):
+    tensors are padded to the fullest head and ``valid`` says which slots hold a position.
+    """
 
     layer: int
-    positions: torch.Tensor  # [heads, n] absolute positions, in time order per head
+    positions: torch.Tensor  # [heads, n] absolute positions (-1 where a head holds fewer)
+    valid: torch.Tensor  # [heads, n] bool
     keys: torch.Tensor  # [1, heads, n, head_dim]
-    values: torch.Tensor  # [1, heads, n, head_dim]
-    stats: dict = field(default_factory=dict)  # attention statistics observed for this layer, if any
+    acc: torch.Tensor | None = None  # [heads, n] attention received so far (policies observing "acc")
+    window: torch.Tensor | None = None  # [heads, rows, n] attention of the last queries (observing "window")
+    groups: torch.Tensor | None = None  # [heads, n] group id of each slot in sentence/turn mode
+
+    @property
+    def recency(self) -> torch.Tensor:
+        """[heads, n] scores that rank newer tokens higher."""
+        return self.positions.float()
 
 
 class Policy:
@@ -70,6 +81,9 @@ class Policy:
     protect_start: ClassVar[bool] = True
     #: True when scores depend only on positions (same for every layer and head): scored once per compression.
     layer_independent: ClassVar[bool] = False
+    #: Attention statistics the policy reads: "acc" (attention each slot received so far) and/or "window"
+    #: (attention of the last ``obs_window`` queries at compression time). See core/observe.py.
+    observes: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, **values: Any):
         known = {p.name: p for p in self.params}
@@ -84,9 +98,23 @@ class Policy:
             return values[item]
         raise AttributeError(item)
 
+    @property
+    def obs_window(self) -> int:
+        """How many of the latest queries the observer keeps for ``window`` statistics."""
+        return int(self.values.get("obs_window", 32)) if "window" in self.observes else 0
+
     def score(self, view: LayerView) -> torch.Tensor:
         """Scores [heads, n] or [n] for the cached positions of one layer; higher means keep."""
         raise NotImplementedError
+
+    def allocate(self, views: list[LayerView], budget: int, minimum: int) -> list[list[int]] | None:
+        """Positions to keep per layer and KV head, summing to layers x heads x ``budget``, none below
+        ``minimum`` — or None for the uniform ``budget`` everywhere (the default)."""
+        return None
+
+    def report(self) -> dict:
+        """Policy state worth showing (per-layer budgets, head classes); part of the session stats."""
+        return {}
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in self.values.items())

@@ -15,4 +15,4 @@ class Streaming(Policy):
     layer_independent = True
 
     def score(self, view):
-        return view.positions[0].float()
+        return view.recency

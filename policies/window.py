@@ -16,4 +16,4 @@ class Window(Policy):
     layer_independent = True
 
     def score(self, view):
-        return view.positions[0].float()
+        return view.recency

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -174,7 +175,8 @@ def test_terminal_chat_with_commands(model_dir, tmp_path):
 
 
 def test_console_script_is_installed():
-    proc = subprocess.run(["kvchat", "--version"], capture_output=True, text=True, timeout=120)
+    script = Path(sys.executable).parent / "kvchat"  # the environment's console script, not whatever is on PATH
+    proc = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.startswith("kvchat ")
 
 

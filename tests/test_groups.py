@@ -26,7 +26,7 @@ def test_token_mode_keeps_top_scores_and_protected():
     scores = torch.tensor([[5.0, 1.0, 9.0, 2.0, 8.0, 0.0]])
     protected = torch.tensor([[False, True, False, False, False, False]])
     keep = select_keep(scores, 3, protected)
-    assert keep.tolist() == [[1, 2, 4]]  # protected slot 1 despite its low score; ascending order
+    assert [k.tolist() for k in keep] == [[1, 2, 4]]  # protected slot 1 despite its low score; ascending order
 
 
 def test_group_mode_evicts_whole_groups_and_cuts_only_the_last_one():
@@ -36,9 +36,9 @@ def test_group_mode_evicts_whole_groups_and_cuts_only_the_last_one():
     protected = torch.zeros(1, 8, dtype=torch.bool)
     keep = select_keep(scores, 4, protected, groups)
     # D (7) and C (6.5 mean... 5,6) fit: 3 slots; B does not fit whole -> its best token (4) fills the budget.
-    assert keep.tolist() == [[4, 5, 6, 7]]
+    assert [k.tolist() for k in keep] == [[4, 5, 6, 7]]
     keep = select_keep(scores, 6, protected, groups)
-    assert keep.tolist() == [[2, 3, 4, 5, 6, 7]]
+    assert [k.tolist() for k in keep] == [[2, 3, 4, 5, 6, 7]]
 
 
 def test_group_score_is_mean_of_unprotected_tokens():
@@ -47,9 +47,9 @@ def test_group_score_is_mean_of_unprotected_tokens():
     protected = torch.tensor([[False, False, False, False, False, True]])
     # mean(group0)=3.33 < mean(group1)=4 -> group1 first, then the best token of group0.
     keep = select_keep(scores, 4, protected, groups)
-    assert keep.tolist() == [[0, 3, 4, 5]]
+    assert [k.tolist() for k in keep] == [[0, 3, 4, 5]]
     keep_max = select_keep(scores, 4, protected, groups, aggregate="max")
-    assert keep_max.tolist() == [[0, 1, 2, 5]]
+    assert [k.tolist() for k in keep_max] == [[0, 1, 2, 5]]
 
 
 @pytest.mark.parametrize("mode", [None, "groups"])
@@ -61,7 +61,7 @@ def test_exact_budget_per_head(mode):
     protected[:, :4] = True
     protected[:, -5:] = True
     keep = select_keep(scores, 20, protected, groups)
-    assert keep.shape == (3, 20)
+    assert [k.numel() for k in keep] == [20, 20, 20]
     for h in range(3):
         row = keep[h].tolist()
         assert row == sorted(set(row))
@@ -70,4 +70,17 @@ def test_exact_budget_per_head(mode):
 
 def test_nothing_to_evict_returns_everything():
     keep = select_keep(torch.zeros(2, 5), 9, torch.zeros(2, 5, dtype=torch.bool))
-    assert keep.tolist() == [list(range(5))] * 2
+    assert [k.tolist() for k in keep] == [list(range(5))] * 2
+
+
+def test_per_head_counts_and_padded_heads():
+    """Heads of different lengths (padded, ``valid``) each keep their own number of positions."""
+    scores = torch.tensor([[1.0, 5.0, 3.0, 4.0, 2.0], [9.0, 8.0, 7.0, 0.0, 0.0]])
+    valid = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    protected = torch.zeros(2, 5, dtype=torch.bool)
+    keep = select_keep(scores, [2, 5], protected, valid=valid)
+    assert [k.tolist() for k in keep] == [[1, 3], [0, 1, 2]]  # a head never keeps padding
+    groups = torch.tensor([[0, 0, 1, 1, 2], [0, 1, 1, -1, -1]])
+    keep = select_keep(scores, [3, 2], protected, groups, valid=valid)
+    # head 0: group 1 (mean 3.5) whole, then the best token of group 0; head 1: group 0, then group 1 cut
+    assert [k.tolist() for k in keep] == [[1, 2, 3], [0, 1]]

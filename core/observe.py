@@ -1,0 +1,117 @@
+"""What attention-reading policies see, computed from the query and key states the attention function receives.
+
+Two statistics, each only when the running policy asks for it:
+
+* ``acc`` (H2O): per cached slot, the attention it has received from every query so far — prefill queries and
+  every decode step — averaged over the query heads that share its KV head. Kept in the cache layer as a per-slot
+  statistic, so it is gathered along with the keys at every eviction. 4 bytes per slot and head.
+* ``window`` (SnapKV, CAKE, head-aware, TOVA with a window of 1): the last ``obs_window`` query vectors of every
+  layer (a fixed [window, query heads, dim] buffer, whatever the cache length). At a compression their attention
+  over the current keys is computed once: the queries are moved (RoPE) to the last ``window`` positions, so they
+  ask about the cache as it is now. In a chat the newest queries are the end of the user's message (or the reply
+  being written), so the question chooses what stays.
+
+Nothing N x N is kept: decode steps cost one [query heads x n] product per layer for ``acc``, and a copy of the
+query for ``window``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import causal_mask
+from .cache import KVCache, RaggedKV
+from .positions import Rotary
+
+
+class Observer:
+    def __init__(self, cache: KVCache, accumulate: bool, window: int):
+        self.cache = cache
+        self.accumulate = accumulate
+        self.window = window
+        self.positions: torch.Tensor | None = None  # positions of the queries of the forward in progress
+        self._queries: dict[int, torch.Tensor] = {}  # layer -> [window, query heads, dim], oldest first
+        self._qpos: dict[int, torch.Tensor] = {}  # layer -> [window] positions of those queries
+        self._count: dict[int, int] = {}
+        self._scaling: dict[int, float] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._queries.values())
+
+    def __call__(self, module, query: torch.Tensor, key, scaling: float | None) -> None:
+        layer_idx = module.layer_idx
+        head_dim = query.shape[-1]
+        scaling = scaling if scaling is not None else head_dim ** -0.5
+        self._scaling[layer_idx] = scaling
+        if self.window:
+            self._remember(layer_idx, query)
+        if self.accumulate:
+            self._accumulate(self.cache.layers[layer_idx], query, key, scaling)
+
+    def _remember(self, layer_idx: int, query: torch.Tensor) -> None:
+        w = self.window
+        take = min(query.shape[2], w)
+        new = query[0, :, -take:].transpose(0, 1).float()  # [take, heads, dim]
+        pos = self.positions[-take:].float()
+        buf = self._queries.get(layer_idx)
+        if buf is None or buf.shape[1:] != new.shape[1:]:
+            buf = torch.zeros(w, *new.shape[1:], device=new.device)
+            self._qpos[layer_idx] = torch.zeros(w, device=new.device)
+            self._count[layer_idx] = 0
+        self._queries[layer_idx] = torch.cat([buf[take:], new])
+        self._qpos[layer_idx] = torch.cat([self._qpos[layer_idx][take:], pos.to(new.device)])
+        self._count[layer_idx] = min(w, self._count[layer_idx] + take)
+
+    def _accumulate(self, layer, query: torch.Tensor, key, scaling: float) -> None:
+        acc = layer.ensure_stat("acc")
+        heads = layer.heads
+        groups = query.shape[1] // heads
+        q = query.shape[2]
+        if isinstance(key, RaggedKV):
+            for h, k in enumerate(key.heads):
+                qh = query[0, h * groups: (h + 1) * groups].float()  # [groups, q, dim]
+                probs = _probs(qh[None], k[0].float(), scaling)[0]  # [q, n]
+                layer.head_view(acc, h).add_(probs.sum(0))
+            return
+        qf = query[0].float().view(heads, groups, q, -1)
+        probs = _probs(qf, key[0].float(), scaling)  # [heads, q, n]
+        n = key.shape[2]
+        acc.view(heads, layer.caps[0])[:, :n] += probs.sum(1)
+
+    def window_attention(self, layer_idx: int, rotary: Rotary | None, next_pos: int | None) -> torch.Tensor | None:
+        """Attention of the remembered queries over layer ``layer_idx``'s current keys: [heads, rows, max_len]
+        (rows = queries remembered, oldest first; zeros where a shorter head holds nothing)."""
+        count = self._count.get(layer_idx, 0)
+        if not count:
+            return None
+        layer = self.cache.layers[layer_idx]
+        queries = self._queries[layer_idx][-count:]  # [rows, query heads, dim]
+        if rotary is not None and next_pos is not None:
+            target = torch.arange(next_pos - count, next_pos, device=queries.device, dtype=torch.float32)
+            delta = (target - self._qpos[layer_idx][-count:])[None, :]
+            queries = rotary.rotate(queries.transpose(0, 1), delta).transpose(0, 1)
+        heads = layer.heads
+        groups = queries.shape[1] // heads
+        qf = queries.permute(1, 0, 2).reshape(heads, groups, count, -1)
+        scaling = self._scaling[layer_idx]
+        if layer.uniform:
+            keys = layer.keys.view(heads, layer.caps[0], -1)[:, : layer.lens[0]].float()
+            return _probs(qf, keys, scaling)
+        out = torch.zeros(heads, count, layer.length, device=queries.device)
+        for h in range(heads):
+            keys = layer.keys[layer.offs[h]: layer.offs[h] + layer.lens[h]].float()
+            out[h, :, : layer.lens[h]] = _probs(qf[h: h + 1], keys[None].expand(1, -1, -1), scaling)[0]
+        return out
+
+
+def _probs(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Softmax attention of queries q [heads, groups, rows, dim] over keys k [heads, n, dim] (or [n, dim] for one
+    head), the rows being the last of the n positions; averaged over the groups: [heads, rows, n]."""
+    if k.dim() == 2:
+        k = k[None]
+    logits = torch.matmul(q, k.transpose(-1, -2)[:, None]) * scaling  # [heads, groups, rows, n]
+    mask = causal_mask(q.shape[2], k.shape[1], q.device)
+    if mask is not None:
+        logits = logits.masked_fill(~mask[0], float("-inf"))
+    return torch.softmax(logits, dim=-1).mean(1)
