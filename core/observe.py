@@ -35,6 +35,27 @@ class Observer:
         self._count: dict[int, int] = {}
         self._scaling: dict[int, float] = {}
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for li, queries in self._queries.items():
+            out[f"obs.{li}.queries"] = queries.contiguous()
+            out[f"obs.{li}.qpos"] = self._qpos[li].contiguous()
+            out[f"obs.{li}.meta"] = torch.tensor([self._count[li], self._scaling.get(li, 0.0)], dtype=torch.float64)
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor], device) -> None:
+        for key, t in tensors.items():
+            parts = key.split(".")
+            if parts[0] != "obs" or parts[2] != "queries":
+                continue
+            li = int(parts[1])
+            if t.shape[0] != self.window:
+                continue  # saved with another observation window: start observing afresh
+            self._queries[li] = t.to(device)
+            self._qpos[li] = tensors[f"obs.{li}.qpos"].to(device)
+            count, scaling = tensors[f"obs.{li}.meta"].tolist()
+            self._count[li], self._scaling[li] = int(count), scaling
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._queries.values())

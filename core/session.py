@@ -13,6 +13,7 @@ ids, the "what the cache still sees" view, and a rebuild of the cache from the k
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import resource
 import threading
@@ -402,8 +403,12 @@ class Session:
         path = folder / f"conversation-{self.conversation_id}.safetensors"
         tmp = path.with_suffix(".tmp")
         meta = {"turn": str(self.turn), "model": self.cm.name, "total_tokens": str(self.log.n),
-                "positions": self.settings.positions}
-        save_file(self.cache.state_tensors(), str(tmp), metadata=meta)
+                "positions": self.settings.positions, "policy": self.settings.policy,
+                "policy_state": json.dumps(self.policy.get_state())}
+        tensors = self.cache.state_tensors()
+        if self.observer is not None:
+            tensors.update(self.observer.state_tensors())
+        save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, path)
         self.store.set_snapshot(self.conversation_id, str(path), self.turn)
         return path
@@ -438,7 +443,12 @@ class Session:
             with safe_open(snap, "pt") as f:
                 meta = f.metadata() or {}
             if int(meta.get("total_tokens", -1)) == self.log.n and meta.get("positions") == settings.positions:
-                self.cache.load_state_tensors(load_file(snap), model.device, model.dtype)
+                tensors = load_file(snap)
+                self.cache.load_state_tensors(tensors, model.device, model.dtype)
+                if self.observer is not None:
+                    self.observer.load_state_tensors(tensors, model.device)
+                if meta.get("policy") == settings.policy and meta.get("policy_state"):
+                    self.policy.set_state(json.loads(meta["policy_state"]))
                 self.restored_from = "snapshot"
                 return self
         kept = [p for a, b in conv["kept"] or [] for p in range(a, b)]
@@ -703,7 +713,8 @@ class Session:
     def _view(self, li: int, layer) -> LayerView:
         rerotate = self.settings.positions == "rerotate"
         positions = layer.positions()
-        view = LayerView(li, positions, layer.valid(), layer.keys_dense(), groups=self._groups(positions))
+        view = LayerView(li, positions, layer.valid(), layer.keys_dense(), groups=self._groups(positions),
+                         now=self.log.n)
         if "acc" in self.policy.observes and "acc" in layer.stats:
             view.acc = layer.padded(layer.stats["acc"])
         if "window" in self.policy.observes and self.observer is not None:

@@ -28,6 +28,6 @@ def make_policy(name: str, **params: Any) -> Policy:
 
 
 # Importing the modules registers them.
-from . import full, window, streaming  # noqa: E402,F401
+from . import full, window, streaming, h2o, tova, snapkv, cake, headaware  # noqa: E402,F401
 
 __all__ = ["POLICIES", "LayerView", "Param", "Policy", "make_policy", "policy_class", "register"]

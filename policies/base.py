@@ -62,6 +62,7 @@ class LayerView:
     acc: torch.Tensor | None = None  # [heads, n] attention received so far (policies observing "acc")
     window: torch.Tensor | None = None  # [heads, rows, n] attention of the last queries (observing "window")
     groups: torch.Tensor | None = None  # [heads, n] group id of each slot in sentence/turn mode
+    now: int = 0  # tokens fed so far (the next absolute position)
 
     @property
     def recency(self) -> torch.Tensor:
@@ -112,6 +113,13 @@ class Policy:
         ``minimum`` — or None for the uniform ``budget`` everywhere (the default)."""
         return None
 
+    def get_state(self) -> dict:
+        """What the policy learned during the chat (JSON-able), saved with cache snapshots."""
+        return {}
+
+    def set_state(self, state: dict) -> None:
+        """Restore ``get_state()``'s result."""
+
     def report(self) -> dict:
         """Policy state worth showing (per-layer budgets, head classes); part of the session stats."""
         return {}
@@ -119,3 +127,19 @@ class Policy:
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in self.values.items())
         return f"{self.name}({args})"
+
+
+def split_budget(weights: list[float], total: int, minimum: int) -> list[int]:
+    """Integers summing to ``total``, each at least ``minimum`` (when the total allows), the rest shared in
+    proportion to ``weights`` (largest remainders get the leftover units)."""
+    n = len(weights)
+    floor = min(minimum, total // n)
+    rest = total - floor * n
+    w = torch.tensor(weights, dtype=torch.float64).clamp(min=0)
+    w = w / w.sum() if float(w.sum()) > 0 else torch.full((n,), 1.0 / n, dtype=torch.float64)
+    share = w * rest
+    out = share.floor().long()
+    leftover = rest - int(out.sum())
+    if leftover:
+        out[torch.argsort(share - out, descending=True)[:leftover]] += 1
+    return [floor + int(v) for v in out]

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from kvchat.core.session import Sampling, Session
 from kvchat.core.settings import Settings
@@ -79,3 +80,34 @@ def test_endless_chat_stays_bounded_and_positions_stay_small(smol):
     assert max(r.peak_cache_tokens for r in results) <= settings.capacity
     assert max(positions) < settings.capacity
     assert all(r.new_tokens > 0 for r in results)
+
+
+def _chat_a_while(session):
+    for q in ["My locker code is 4417. Remember it.", "Tell me a short story about a dragon.",
+              "What is the capital of France?"]:
+        session.chat(q)
+
+
+def test_headaware_gives_heads_their_own_allocations(smol, tmp_path):
+    from kvchat.storage.db import Store
+
+    # With the seed's tau_local = 0.8 no head of this model is local (the largest local mass measured is ~0.75),
+    # so every head would be "retrieval" and budgets uniform; 0.4 makes local heads appear.
+    settings = Settings(policy="headaware", params={"tau_local": 0.4}, budget=96, window=16, slack=16)
+    store = Store(tmp_path / "kv.db")
+    session = Session(smol, settings, store=store, sampling=Sampling(max_new_tokens=24, temperature=0.0))
+    _chat_a_while(session)
+    layers = session.cache.layers
+    assert any(not layer.uniform for layer in layers)  # heads of one layer hold different numbers of positions
+    heads = layers[0].heads
+    assert sum(sum(layer.caps) for layer in layers) <= smol.num_layers * heads * (96 + 16)
+    stats = session.stats()
+    classes = {c for layer in stats["head_classes"] for c in layer}
+    assert len(classes) >= 2 and stats["memory_bound_bytes"] > 0
+    # A snapshot of ragged heads restores exactly.
+    session.save_snapshot()
+    resumed = Session.resume(smol, store, session.conversation_id, sampling=session.sampling)
+    assert resumed.restored_from == "snapshot"
+    for a, b in zip(resumed.cache.layers, layers):
+        assert a.caps == b.caps and a.lens == b.lens and torch.equal(a.keys_dense(), b.keys_dense())
+    assert resumed.chat("And my locker code?").answer == session.chat("And my locker code?").answer

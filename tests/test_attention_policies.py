@@ -1,0 +1,222 @@
+"""Policies that read attention: equivalence, hand-made attention patterns, memory really freed, ragged heads."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvchat.core.attention import causal_mask, kvchat_attention
+from kvchat.core.cache import KVCache, RaggedKV
+from kvchat.core.groups import select_keep
+from kvchat.core.session import Sampling, Session
+from kvchat.core.settings import Settings
+from kvchat.policies import LayerView, make_policy
+from kvchat.policies.base import split_budget
+
+ATTENTION_POLICIES = ["h2o", "tova", "snapkv", "cake", "headaware"]
+GREEDY = Sampling(max_new_tokens=6, temperature=0.0)
+CHAT = ["Hello there, who are you?", "Tell me about the sea. It is big!", "And the mountains?"]
+
+
+def _view(window=None, acc=None, n=None, heads=1, layer=0, now=None):
+    n = n or (window.shape[-1] if window is not None else acc.shape[-1])
+    positions = torch.arange(n).expand(heads, n)
+    return LayerView(layer, positions, torch.ones(heads, n, dtype=torch.bool), torch.zeros(1, heads, n, 4),
+                     acc=acc, window=window, now=now if now is not None else n)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt-neox", "gpt2"])
+@pytest.mark.parametrize("positions", ["rerotate", "original"])
+def test_budget_larger_than_chat_equals_full(tiny, arch, positions):
+    cm = tiny(arch)
+    full = Session(cm, Settings(policy="full", positions=positions), sampling=GREEDY)
+    want = [full.chat(t).answer for t in CHAT]
+    for policy in ATTENTION_POLICIES:
+        session = Session(cm, Settings(policy=policy, budget=256, window=16, positions=positions), sampling=GREEDY)
+        assert [session.chat(t).answer for t in CHAT] == want, policy
+        assert session.evicted_total == 0
+
+
+@pytest.mark.parametrize("policy", ATTENTION_POLICIES)
+@pytest.mark.parametrize("groups", ["token", "sentence"])
+def test_bounded_and_compressing(tiny, policy, groups):
+    settings = Settings(policy=policy, budget=40, window=8, slack=6, groups=groups)
+    session = Session(tiny("llama"), settings, sampling=Sampling(max_new_tokens=8, temperature=0.0))
+    for i in range(6):
+        session.exchange(f"Question {i}: " + "word " * 30 + "?", f"Answer {i}. " + "reply " * 12)
+        res = session.chat("And?")
+        assert res.peak_cache_tokens <= 46
+    assert session.evicted_total > 0
+    for layer in session.cache.layers:
+        assert sum(layer.lens) <= layer.heads * 46 or policy == "cake"
+        assert all(n <= c for n, c in zip(layer.lens, layer.caps))
+
+
+def test_h2o_keeps_an_old_token_every_query_attends_to():
+    acc = torch.ones(1, 20)
+    acc[0, 2] = 50.0  # old, but every query attended to it
+    view = _view(acc=acc, now=20)
+    policy = make_policy("h2o")
+    keep = select_keep(policy.score(view), 6, torch.zeros(1, 20, dtype=torch.bool))
+    assert 2 in keep[0].tolist()
+    heavy = make_policy("h2o", heavy=1)
+    keep = select_keep(heavy.score(view), 6, torch.zeros(1, 20, dtype=torch.bool))
+    assert keep[0].tolist() == [2, 15, 16, 17, 18, 19]  # the heavy hitter, then the most recent
+
+
+def test_tova_keeps_what_the_newest_query_attends_to():
+    window = torch.zeros(2, 1, 10)
+    window[:, 0, 3] = 0.6
+    window[0, 0, 7] = 0.4
+    window[1, 0, 1] = 0.4
+    scores = make_policy("tova").score(_view(window=window, heads=2))
+    assert scores.shape == (10,)  # averaged over heads: both heads keep the same tokens
+    assert torch.topk(scores, 1).indices.item() == 3
+
+
+def test_snapkv_pools_votes_over_neighbours():
+    window = torch.zeros(1, 4, 30)
+    window[0, :, 12] = 1.0
+    scores = make_policy("snapkv", kernel=5).score(_view(window=window))
+    keep = select_keep(scores, 5, torch.zeros(1, 30, dtype=torch.bool))
+    assert keep[0].tolist() == [10, 11, 12, 13, 14]
+
+
+def _rows(pattern, rows=8, n=64):
+    """Attention rows [1, rows, n] of queries at the last `rows` positions, each from pattern(query_slot, n)."""
+    out = torch.zeros(1, rows, n)
+    for r in range(rows):
+        q = n - rows + r
+        p = pattern(q, n)
+        p[q + 1:] = 0
+        out[0, r] = p / p.sum()
+    return out
+
+
+def test_head_classes_from_hand_made_patterns():
+    policy = make_policy("headaware")
+
+    def local(q, n):
+        p = torch.full((n,), 1e-4)
+        p[max(0, q - 4): q + 1] = 1.0
+        return p
+
+    def periodic(q, n):
+        p = torch.full((n,), 0.02)
+        p[torch.arange(q % 8, q + 1, 8)] = 1.0
+        return p
+
+    def flat(q, n):
+        return torch.ones(n) + 0.01 * torch.rand(n)
+
+    window = torch.cat([_rows(local), _rows(periodic), _rows(flat)])  # three heads
+    features = policy.head_features(window, torch.ones(3, 64, dtype=torch.bool))
+    assert policy.classify(features) == ["local", "induction", "retrieval"]
+
+
+def test_headaware_budgets_follow_classes_and_sum_to_the_layer_total():
+    policy = make_policy("headaware", new_tokens=4)
+    local = _rows(lambda q, n: torch.cat([torch.full((q - 3,), 1e-5), torch.ones(n - q + 3)]))
+    flat = _rows(lambda q, n: torch.ones(n))
+    window = torch.cat([local, flat, flat])
+    view = _view(window=window, heads=3)
+    (budgets,) = policy.allocate([view], budget=20, minimum=9)
+    assert sum(budgets) == 60 and budgets[0] < budgets[1] == budgets[2]
+    assert min(budgets) >= 12  # sink + window + newest group always fit
+    assert policy.report()["head_classes"] == [["local", "retrieval", "retrieval"]]
+    # Online refresh: the budgets move toward a new target with a decreasing step, not at once.
+    (again,) = policy.allocate([_view(window=torch.cat([flat, flat, flat]), heads=3)], budget=20, minimum=9)
+    assert budgets[0] < again[0] < 20
+
+
+def _sink_rows():
+    """Every query looks at position 0 (low entropy, no shift over queries)."""
+    return _rows(lambda q, n: torch.cat([torch.ones(1), torch.full((n - 1,), 1e-4)]))
+
+
+def test_cake_gives_a_high_entropy_layer_a_larger_budget():
+    policy = make_policy("cake", tau2=1e6)  # the variance term neutralized: entropy alone decides
+    spread = _rows(lambda q, n: torch.ones(n))  # looks everywhere
+    views = [_view(window=_sink_rows(), layer=0), _view(window=spread, layer=1)]
+    budgets = policy.allocate(views, budget=30, minimum=5)
+    assert budgets[1][0] > budgets[0][0] and budgets[0][0] + budgets[1][0] == 60
+    assert policy.report()["layer_budgets"] == [budgets[0][0], budgets[1][0]]
+
+
+def test_cake_gives_a_shifting_layer_a_larger_budget():
+    policy = make_policy("cake", tau1=1e6)  # the entropy term neutralized: temporal shift alone decides
+    shifting = _rows(lambda q, n: torch.cat([torch.full((q,), 1e-4), torch.ones(1), torch.full((n - q - 1,), 1e-4)]))
+    views = [_view(window=_sink_rows(), layer=0), _view(window=shifting, layer=1)]
+    budgets = policy.allocate(views, budget=30, minimum=5)
+    assert budgets[1][0] > budgets[0][0]
+
+
+def test_cake_indicator_keeps_tokens_with_high_mean_or_variance():
+    window = torch.full((1, 4, 10), 0.05)
+    window[0, :, 2] = 0.3  # steadily attended
+    window[0, 0, 6] = 0.9  # attended by one query only: high variance
+    scores = make_policy("cake").score(_view(window=window))
+    keep = select_keep(scores, 2, torch.zeros(1, 10, dtype=torch.bool))
+    assert keep[0].tolist() == [2, 6]
+
+
+def test_split_budget():
+    assert split_budget([1, 1, 2], 40, 5) == [11, 11, 18]  # 5 each, then 25 as 6.25 : 6.25 : 12.5
+    assert sum(split_budget([0.3, 5.0, 0.1], 99, 10)) == 99 and min(split_budget([0.3, 5.0, 0.1], 99, 10)) >= 10
+
+
+@pytest.mark.parametrize("policy", ["cake", "headaware"])
+def test_per_layer_and_per_head_budgets_never_allocate_more_than_uniform_h2o(tiny, policy):
+    cm = tiny("llama")
+    sizes = {}
+    for name in ("h2o", policy):
+        session = Session(cm, Settings(policy=name, budget=48, window=8, slack=6),
+                          sampling=Sampling(max_new_tokens=4, temperature=0.0))
+        peak = 0
+        for i in range(5):
+            session.exchange(f"Q{i} " + "tok " * 40, f"A{i} " + "ans " * 10)
+            peak = max(peak, session.cache_bytes, sum(layer.kv_bytes for layer in session.cache.layers))
+        sizes[name] = peak
+        kv_slots = sum(sum(layer.caps) for layer in session.cache.layers)
+        assert kv_slots <= cm.num_layers * session.cache.layers[0].heads * (48 + 6)
+    assert sizes[policy] <= sizes["h2o"]
+
+
+def test_ragged_attention_equals_per_head_reference():
+    torch.manual_seed(0)
+    heads, groups, d, q = 2, 3, 8, 4
+    query = torch.randn(1, heads * groups, q, d)
+    lens = [9, 6]
+    keys = [torch.randn(1, 1, n, d) for n in lens]
+    values = [torch.randn(1, 1, n, d) for n in lens]
+
+    class Module:
+        is_causal = True
+        num_key_value_groups = groups
+        layer_idx = 0
+
+    out, _ = kvchat_attention(Module(), query, RaggedKV(keys), RaggedKV(values), None, scaling=d ** -0.5)
+    assert out.shape == (1, q, heads * groups, d)
+    for h, n in enumerate(lens):
+        for g in range(groups):
+            qh = query[0, h * groups + g]  # [q, d]
+            logits = qh @ keys[h][0, 0].T / math.sqrt(d)
+            logits = logits.masked_fill(~causal_mask(q, n, "cpu")[0, 0], float("-inf"))
+            want = F.softmax(logits, -1) @ values[h][0, 0]
+            torch.testing.assert_close(out[0, :, h * groups + g], want, atol=1e-5, rtol=1e-5)
+
+
+def test_ragged_layer_round_trip_through_the_cache():
+    cache = KVCache(num_layers=1, capacity=12, max_capacity=64)
+    layer = cache.layers[0]
+    keys, values = torch.randn(1, 2, 10, 4), torch.randn(1, 2, 10, 4)
+    cache.incoming_abs = torch.arange(10, dtype=torch.int32)
+    layer.update(keys, values)
+    layer.keep([torch.tensor([0, 5, 9]), torch.tensor([1, 2, 3, 4, 9])], caps=[5, 9])
+    assert layer.caps == [5, 9] and not layer.uniform
+    cache.incoming_abs = torch.tensor([10], dtype=torch.int32)
+    k, v = layer.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4))
+    assert isinstance(k, RaggedKV) and [t.shape[2] for t in k.heads] == [4, 6]
+    assert layer.positions().tolist() == [[0, 5, 9, 10, -1, -1], [1, 2, 3, 4, 9, 10]]
+    assert torch.equal(k.heads[1][0, 0, :5], keys[0, 1, [1, 2, 3, 4, 9]])
