@@ -58,13 +58,15 @@ def bare_ms(cm, length: int, steps: int) -> float:
     return 1000 * statistics.mean(times)
 
 
-def engine_ms(cm, settings: Settings, length: int, steps: int) -> tuple[float, int]:
+def engine_ms(cm, settings: Settings, length: int, steps: int, prepare=None) -> tuple[float, int]:
     session = Session(cm, settings, system=None, sampling=Sampling(max_new_tokens=steps, temperature=0.0))
     text = filler_text(cm.tokenizer, length)
     session.add("user", text)
     while session.cache_tokens < length - 32:
         session.add("assistant", filler_text(cm.tokenizer, min(256, length - session.cache_tokens - 16)))
     stop_ids, cm.stop_ids = cm.stop_ids, frozenset()  # decode exactly `steps` tokens
+    if prepare is not None:
+        prepare(session)
     try:
         res = session.chat("Continue.")
     finally:

@@ -202,6 +202,9 @@ class KVLayer(CacheLayerMixin):
         """
         caps = caps or self.caps
         kept = [int(i.numel()) for i in index]
+        if self.uniform and len(set(kept)) == 1 and len(set(caps)) == 1 and caps == self.caps:
+            self._keep_uniform(torch.stack(list(index)).to(self.device), rotary, next_pos)
+            return
         gathered = []
         for h, idx in enumerate(index):
             src = idx.to(self.device) + self.offs[h]
@@ -224,6 +227,27 @@ class KVLayer(CacheLayerMixin):
         self.lens = kept
         if next_pos is not None:
             self.pos_off = [next_pos - k for k in kept]
+
+    def _keep_uniform(self, index: torch.Tensor, rotary: Rotary | None, next_pos: int | None) -> None:
+        """``keep`` for heads of equal capacity keeping equally many slots: one batched gather per tensor."""
+        heads, k = index.shape
+        cap = self.caps[0]
+        keys = torch.gather(self.keys.view(heads, cap, -1), 1, index[:, :, None].expand(-1, -1, self.keys.shape[-1]))
+        values = torch.gather(self.values.view(heads, cap, -1), 1,
+                              index[:, :, None].expand(-1, -1, self.values.shape[-1]))
+        if rotary is not None:
+            old_pos = index + torch.tensor(self.pos_off, device=self.device)[:, None]
+            keys = rotary.rotate(keys, next_pos - k + torch.arange(k, device=self.device)[None, :] - old_pos)
+        self.keys.view(heads, cap, -1)[:, :k] = keys
+        self.values.view(heads, cap, -1)[:, :k] = values
+        abs_pos = self.abs_pos.view(heads, cap)
+        abs_pos[:, :k] = torch.gather(abs_pos, 1, index)
+        for t in self.stats.values():
+            view = t.view(*t.shape[:-1], heads, cap)
+            view[..., :k] = torch.gather(view, -1, index.expand(*t.shape[:-1], heads, k))
+        self.lens = [k] * heads
+        if next_pos is not None:
+            self.pos_off = [next_pos - k] * heads
 
     def shift_positions(self, rotary: Rotary, to_original: bool) -> None:
         """Rotate every held key between its ``rerotate`` position and its absolute position."""

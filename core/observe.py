@@ -95,10 +95,14 @@ class Observer:
                 probs = _probs(qh[None], k[0].float(), scaling)[0]  # [q, n]
                 layer.head_view(acc, h).add_(probs.sum(0))
             return
-        qf = query[0].float().view(heads, groups, q, -1)
-        probs = _probs(qf, key[0].float(), scaling)  # [heads, q, n]
         n = key.shape[2]
-        acc.view(heads, layer.caps[0])[:, :n] += probs.sum(1)
+        target = acc.view(heads, layer.caps[0])[:, :n]
+        if q == 1:  # a decode step: the fewest kernels (this runs on every step of every layer)
+            qs = (query[0, :, 0].float() * scaling).view(heads, groups, -1)
+            target += torch.bmm(qs, key[0].float().transpose(1, 2)).softmax(-1).mean(1)
+            return
+        qf = query[0].float().view(heads, groups, q, -1)
+        target += _probs(qf, key[0].float(), scaling).sum(1)  # [heads, n]
 
     def window_attention(self, layer_idx: int, rotary: Rotary | None, next_pos: int | None) -> torch.Tensor | None:
         """Attention of the remembered queries over layer ``layer_idx``'s current keys: [heads, rows, max_len]
@@ -131,7 +135,10 @@ def _probs(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
     head), the rows being the last of the n positions; averaged over the groups: [heads, rows, n]."""
     if k.dim() == 2:
         k = k[None]
-    logits = torch.matmul(q, k.transpose(-1, -2)[:, None]) * scaling  # [heads, groups, rows, n]
+    heads, groups, rows, dim = q.shape
+    # One batched matmul per KV head (a broadcast matmul against the strided key view would copy the keys).
+    logits = torch.bmm(q.reshape(heads, groups * rows, dim), k.transpose(1, 2)).view(heads, groups, rows, -1)
+    logits = logits * scaling
     mask = causal_mask(q.shape[2], k.shape[1], q.device)
     if mask is not None:
         logits = logits.masked_fill(~mask[0], float("-inf"))

@@ -176,6 +176,7 @@ class Session:
         self._sentence = (0, True)  # (last sentence id, next token starts a new one)
         self._peak = 0
         self.restored_from: str | None = None
+        self._last_logits: torch.Tensor | None = None
         if system == "default":
             system = model.chat.default_system
         if system is not None:
@@ -362,6 +363,24 @@ class Session:
         return self._finish_reply(res, history, header, header_ids, user_ids, mu, ma, generated, stopped,
                                   decode_s, steps)
 
+    def feed_raw(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed tokens as plain text, without the chat template (long-text measurements such as perplexity).
+
+        Returns the log-probability the model gave each fed token and whether it was the top choice; the first
+        token is scored by the logits that ended the previous feed (NaN / False when there were none)."""
+        if not ids:
+            raise ValueError("nothing to feed")
+        res = self._begin("user")
+        self._check_fits(len(ids))
+        idx = self._new_message("user", self.cm.tokenizer.decode(ids))
+        previous = self._last_logits
+        last, logprobs, top1 = self._feed([(list(ids), idx)], want_logprobs=True)
+        first = torch.log_softmax(previous.float().cpu(), -1)[ids[0]] if previous is not None else torch.tensor(
+            float("nan"))
+        first_top = bool(previous is not None and int(previous.argmax()) == ids[0])
+        self._end(res, [(idx, list(ids))])
+        return torch.cat([first[None], logprobs]), torch.cat([torch.tensor([first_top]), top1])
+
     def chat(self, user: str, **sampling) -> TurnResult:
         """``reply`` run to the end; returns the TurnResult (its ``answer`` holds the reply)."""
         gen = self.reply(user, **sampling)
@@ -466,7 +485,8 @@ class Session:
     # Turns
     # ------------------------------------------------------------------------------------------------------------
     def _begin(self, role: str) -> TurnResult:
-        self._events, self._warnings = [], []
+        # Eviction events are not reset: those of a live settings change are committed with the next turn.
+        self._warnings = []
         self._peak = self.cache.length
         return TurnResult(turn=self.turn, role=role)
 
@@ -490,6 +510,7 @@ class Session:
                       "created_at": stamp},
             "events": list(self._events),
         }
+        self._events = []
         self.turn += 1
         self._commit(record)
         return res
@@ -593,6 +614,7 @@ class Session:
                 top1.append(lp.argmax(-1) == targets)
             i += c
         last = logits[-1]
+        self._last_logits = last
         if want_logprobs:
             return last, torch.cat(logprobs), torch.cat(top1)
         return last, None, None
@@ -731,8 +753,12 @@ class Session:
         alloc = self.policy.allocate(views, keep, minimum)
         shared: tuple[torch.Tensor, list[torch.Tensor]] | None = None
         plans, evicted_groups = [], 0
+        # In rerotate mode the next position is the largest kept count: keep it inside the trained positions.
+        ceiling = self.cm.max_positions - s.slack_tokens if s.positions == "rerotate" else None
         for (li, layer), view in zip(layers, views):
             counts = alloc[li] if alloc is not None else [keep] * layer.heads
+            if ceiling is not None:
+                counts = [min(c, ceiling) for c in counts]
             if shared is not None and alloc is None and torch.equal(shared[0], view.positions):
                 index = shared[1]
             else:

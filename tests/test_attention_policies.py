@@ -220,3 +220,20 @@ def test_ragged_layer_round_trip_through_the_cache():
     assert isinstance(k, RaggedKV) and [t.shape[2] for t in k.heads] == [4, 6]
     assert layer.positions().tolist() == [[0, 5, 9, 10, -1, -1], [1, 2, 3, 4, 9, 10]]
     assert torch.equal(k.heads[1][0, 0, :5], keys[0, 1, [1, 2, 3, 4, 9]])
+
+
+def test_switching_live_through_every_policy(tiny):
+    session = Session(tiny("qwen2"), Settings(policy="headaware", budget=40, window=8, slack=6,
+                                               params={"tau_local": 0.0}),
+                      sampling=Sampling(max_new_tokens=6, temperature=0.0))
+    order = ["headaware", "streaming", "h2o", "cake", "full", "snapkv", "tova", "window", "headaware"]
+    for i, policy in enumerate(order):
+        session.configure(policy=policy)
+        session.exchange(f"Q{i} " + "word " * 30, f"A{i} " + "reply " * 8)
+        res = session.chat("Go on.")
+        assert res.new_tokens > 0
+        if policy != "full":
+            assert session.cache_tokens <= 46
+            for layer in session.cache.layers:
+                assert all(n <= c for n, c in zip(layer.lens, layer.caps))
+    assert session.stats()["policy"] == "headaware"
