@@ -60,7 +60,7 @@ def kvchat_ppl(cm, policy: str, overrides: dict, ids: list[int], prefix: int, ke
                         **{k: v for k, v in overrides.items() if k != "params"}, params=overrides.get("params", {}))
     session = Session(cm, settings, system=None)
     t = time.perf_counter()
-    session.feed_raw(ids[:prefix])
+    session.feed_raw(ids[:prefix], score=False)
     session.configure(budget=keep)  # one-shot compression of the prefix, like a press
     prefill_s = time.perf_counter() - t
     kept = session.cache_tokens

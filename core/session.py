@@ -363,18 +363,22 @@ class Session:
         return self._finish_reply(res, history, header, header_ids, user_ids, mu, ma, generated, stopped,
                                   decode_s, steps)
 
-    def feed_raw(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def feed_raw(self, ids: list[int], score: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Feed tokens as plain text, without the chat template (long-text measurements such as perplexity).
 
-        Returns the log-probability the model gave each fed token and whether it was the top choice; the first
-        token is scored by the logits that ended the previous feed (NaN / False when there were none)."""
+        With ``score``, returns the log-probability the model gave each fed token and whether it was the top
+        choice; the first token is scored by the logits that ended the previous feed (NaN / False when there were
+        none). Without, only the last position's logits are computed."""
         if not ids:
             raise ValueError("nothing to feed")
         res = self._begin("user")
         self._check_fits(len(ids))
         idx = self._new_message("user", self.cm.tokenizer.decode(ids))
         previous = self._last_logits
-        last, logprobs, top1 = self._feed([(list(ids), idx)], want_logprobs=True)
+        last, logprobs, top1 = self._feed([(list(ids), idx)], want_logprobs=score)
+        if not score:
+            self._end(res, [(idx, list(ids))])
+            return None
         first = torch.log_softmax(previous.float().cpu(), -1)[ids[0]] if previous is not None else torch.tensor(
             float("nan"))
         first_top = bool(previous is not None and int(previous.argmax()) == ids[0])
@@ -755,8 +759,8 @@ class Session:
         plans, evicted_groups = [], 0
         # In rerotate mode the next position is the largest kept count: keep it inside the trained positions.
         ceiling = self.cm.max_positions - s.slack_tokens if s.positions == "rerotate" else None
-        for (li, layer), view in zip(layers, views):
-            counts = alloc[li] if alloc is not None else [keep] * layer.heads
+        for pos, ((li, layer), view) in enumerate(zip(layers, views)):
+            counts = alloc[pos] if alloc is not None else [keep] * layer.heads
             if ceiling is not None:
                 counts = [min(c, ceiling) for c in counts]
             if shared is not None and alloc is None and torch.equal(shared[0], view.positions):
