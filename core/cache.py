@@ -60,7 +60,7 @@ class KVLayer(CacheLayerMixin):
         heads = key_states.shape[1]
         self._dims = (key_states.shape[-1], value_states.shape[-1])
         self.lens = [0] * heads
-        self.pos_off = [self._owner.next_pos] * heads
+        self.pos_off = [0] * heads  # a fresh cache: slot i holds position i
         self._allocate([self._owner.initial_capacity(key_states.shape[-2])] * heads)
         self.is_initialized = True
 
@@ -277,15 +277,15 @@ class KVCache(Cache):
 
     ``capacity`` is the default number of slots per head (budget + slack) or None for a cache that grows (by
     doubling, up to ``max_capacity``). Before each forward the engine sets ``incoming_abs``, the absolute
-    positions of the tokens about to be written; ``next_pos`` is the position the next token gets in ``rerotate``
-    mode (every layer's kept keys end right before it).
+    positions of the tokens about to be written. In ``rerotate`` mode the next token's position is ``length``:
+    every compression leaves each head's kept keys ending right before the largest kept count, and every forward
+    appends the same tokens to every head.
     """
 
     def __init__(self, num_layers: int, capacity: int | None, max_capacity: int):
         self.capacity = capacity
         self.max_capacity = max_capacity
         self.incoming_abs: torch.Tensor | None = None
-        self.next_pos = 0
         super().__init__(layers=[KVLayer(self) for _ in range(num_layers)])
 
     def initial_capacity(self, needed: int) -> int:
@@ -342,7 +342,7 @@ class KVCache(Cache):
 
     # -- snapshots --------------------------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        out = {"next_pos": torch.tensor([self.next_pos])}
+        out = {}
         for i, layer in enumerate(self.layers):
             if not layer.is_initialized:
                 continue
@@ -358,7 +358,6 @@ class KVCache(Cache):
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], device, dtype) -> None:
-        self.next_pos = int(tensors["next_pos"][0])
         for i, layer in enumerate(self.layers):
             caps = tensors[f"{i}.caps"].tolist()
             heads = len(caps)

@@ -627,7 +627,7 @@ class Session:
         if self.settings.positions == "original":
             pos = abs_pos
         else:
-            pos = torch.arange(self.cache.next_pos, self.cache.next_pos + ids.numel())
+            pos = torch.arange(self.cache.length, self.cache.length + ids.numel())
         device = self.cm.device
         self.cache.incoming_abs = abs_pos.to(device=device, dtype=torch.int32)
         extra = {}
@@ -638,7 +638,6 @@ class Session:
             out = self.cm.model(input_ids=ids[None].to(device), position_ids=pos[None].to(device),
                                 past_key_values=self.cache, use_cache=True,
                                 logits_to_keep=0 if all_logits else 1, **extra)
-        self.cache.next_pos += ids.numel()
         self._peak = max(self._peak, self.cache.mean_length)
         return out.logits[0]
 
@@ -661,7 +660,7 @@ class Session:
     # Positions and limits
     # ------------------------------------------------------------------------------------------------------------
     def _next_position(self) -> int:
-        return self.log.n if self.settings.positions == "original" else self.cache.next_pos
+        return self.log.n if self.settings.positions == "original" else self.cache.length
 
     def _hard_limit(self) -> bool:
         """Whether the model cannot go past its max positions at all (rather than degrade)."""
@@ -689,9 +688,8 @@ class Session:
     def _convert_positions(self, old: str, new: str) -> None:
         layers = [layer for layer in self.cache.layers if layer.is_initialized]
         if new == "rerotate":  # kept keys end right before the next position, as after a compression
-            self.cache.next_pos = self.cache.length
             for layer in layers:
-                layer.pos_off = [self.cache.next_pos - n for n in layer.lens]
+                layer.pos_off = [self.cache.length - n for n in layer.lens]
         if self.cm.rotary is not None:
             for layer in layers:
                 layer.shift_positions(self.cm.rotary, to_original=new == "original")
@@ -745,7 +743,7 @@ class Session:
             view.acc = layer.padded(layer.stats["acc"])
         if "window" in self.policy.observes and self.observer is not None:
             view.window = self.observer.window_attention(li, self.cm.rotary if rerotate else None,
-                                                         self.cache.next_pos if rerotate else None)
+                                                         self.cache.length if rerotate else None)
         return view
 
     def _compress(self, keep: int, reason: str) -> None:
@@ -782,8 +780,6 @@ class Session:
         rotary = self.cm.rotary if s.positions == "rerotate" else None
         for layer, index, caps in plans:
             layer.keep(index, rotary, next_pos, caps or [s.capacity] * layer.heads)
-        if s.positions == "rerotate":
-            self.cache.next_pos = next_pos
         after = self.cache.mean_length
         self.evicted_total += before - after
         self._events.append({"turn": self.turn, "reason": reason, "before": before, "after": after,
