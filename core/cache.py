@@ -49,7 +49,7 @@ class KVLayer(CacheLayerMixin):
         self.caps: list[int] = []
         self.offs: list[int] = []
         self.pos_off: list[int] = []  # rerotate mode: slot i of head h sits at position pos_off[h] + i
-        self.stats: dict[str, torch.Tensor] = {}  # per-slot statistics, slot dimension last
+        self.stats: dict[str, torch.Tensor] = {}  # per-slot statistics, one float per slot (e.g. "acc")
         self.abs_pos: torch.Tensor | None = None
 
     # -- transformers' layer interface ------------------------------------------------------------------------
@@ -78,7 +78,7 @@ class KVLayer(CacheLayerMixin):
             values[:, n: n + q] = value_states[0]
             self.abs_pos.view(self.heads, cap)[:, n: n + q] = incoming
             for t in self.stats.values():
-                t.view(*t.shape[:-1], self.heads, cap)[..., n: n + q] = 0
+                t.view(self.heads, cap)[:, n: n + q] = 0
             self.lens = [n + q] * self.heads
             return keys[None, :, : n + q], values[None, :, : n + q]
         for h in range(self.heads):
@@ -87,7 +87,7 @@ class KVLayer(CacheLayerMixin):
             self.values[a: a + q] = value_states[0, h]
             self.abs_pos[a: a + q] = incoming
             for t in self.stats.values():
-                t[..., a: a + q] = 0
+                t[a: a + q] = 0
             self.lens[h] += q
         return self.split()
 
@@ -125,8 +125,7 @@ class KVLayer(CacheLayerMixin):
         self.keys = torch.empty(total, kdim, dtype=self.dtype, device=self.device)
         self.values = torch.empty(total, vdim, dtype=self.dtype, device=self.device)
         self.abs_pos = torch.empty(total, dtype=torch.int32, device=self.device)
-        self.stats = {name: torch.zeros(*t.shape[:-1], total, dtype=t.dtype, device=self.device)
-                      for name, t in self.stats.items()}
+        self.stats = {name: torch.zeros(total, dtype=t.dtype, device=self.device) for name, t in self.stats.items()}
 
     def resize(self, caps: list[int]) -> None:
         """Reallocate to exactly ``caps`` slots per head, keeping the current contents."""
@@ -143,15 +142,13 @@ class KVLayer(CacheLayerMixin):
             self.values[dst] = values[src]
             self.abs_pos[dst] = abs_pos[src]
             for name, t in stats.items():
-                self.stats[name][..., dst] = t[..., src]
+                self.stats[name][dst] = t[src]
 
-    def ensure_stat(self, name: str, lead: tuple[int, ...] = (), dtype=torch.float32) -> torch.Tensor:
-        """A per-slot statistic ``lead + [slots]`` (zeros for slots that held nothing yet)."""
-        t = self.stats.get(name)
-        if t is None or tuple(t.shape[:-1]) != lead:
-            t = torch.zeros(*lead, self.keys.shape[0], dtype=dtype, device=self.device)
-            self.stats[name] = t
-        return t
+    def ensure_stat(self, name: str) -> torch.Tensor:
+        """A per-slot float statistic (zeros for slots that held nothing yet)."""
+        if name not in self.stats:
+            self.stats[name] = torch.zeros(self.keys.shape[0], device=self.device)
+        return self.stats[name]
 
     def split(self) -> tuple[RaggedKV, RaggedKV]:
         ks, vs = [], []
@@ -162,16 +159,16 @@ class KVLayer(CacheLayerMixin):
         return RaggedKV(ks), RaggedKV(vs)
 
     def head_view(self, t: torch.Tensor, h: int) -> torch.Tensor:
-        """Head h's used slots of a per-slot tensor (slot dimension last)."""
-        return t[..., self.offs[h]: self.offs[h] + self.lens[h]]
+        """Head h's used slots of a per-slot tensor (slots first)."""
+        return t[self.offs[h]: self.offs[h] + self.lens[h]]
 
     def padded(self, t: torch.Tensor, fill=0) -> torch.Tensor:
-        """A per-slot tensor as ``lead + [heads, max_len]``, padding shorter heads with ``fill``."""
+        """A per-slot tensor ([slots, ...]) as [heads, max_len, ...], padding shorter heads with ``fill``."""
         if self.uniform:
-            return t.view(*t.shape[:-1], self.heads, self.caps[0])[..., : self.lens[0]]
-        out = torch.full((*t.shape[:-1], self.heads, self.length), fill, dtype=t.dtype, device=t.device)
+            return t.view(self.heads, self.caps[0], *t.shape[1:])[:, : self.lens[0]]
+        out = torch.full((self.heads, self.length, *t.shape[1:]), fill, dtype=t.dtype, device=t.device)
         for h in range(self.heads):
-            out[..., h, : self.lens[h]] = self.head_view(t, h)
+            out[h, : self.lens[h]] = self.head_view(t, h)
         return out
 
     def valid(self) -> torch.Tensor:
@@ -185,12 +182,7 @@ class KVLayer(CacheLayerMixin):
 
     def keys_dense(self) -> torch.Tensor:
         """Keys as [1, heads, max_len, dim] (zeros where a shorter head has none)."""
-        if self.uniform:
-            return self.keys.view(self.heads, self.caps[0], -1)[None, :, : self.lens[0]]
-        out = torch.zeros(1, self.heads, self.length, self.keys.shape[-1], dtype=self.dtype, device=self.device)
-        for h in range(self.heads):
-            out[0, h, : self.lens[h]] = self.keys[self.offs[h]: self.offs[h] + self.lens[h]]
-        return out
+        return self.padded(self.keys)[None]
 
     # -- compression ------------------------------------------------------------------------------------------
     def keep(self, index: list[torch.Tensor], rotary: Rotary | None = None, next_pos: int | None = None,
@@ -213,7 +205,7 @@ class KVLayer(CacheLayerMixin):
                 new_pos = next_pos - kept[h] + torch.arange(kept[h], device=self.device)
                 keys = rotary.rotate(keys, new_pos - (self.pos_off[h] + idx.to(self.device)))
             gathered.append((keys, self.values[src], self.abs_pos[src],
-                             {name: t[..., src] for name, t in self.stats.items()}))
+                             {name: t[src] for name, t in self.stats.items()}))
         if caps != self.caps:
             self.lens = [0] * self.heads
             self._allocate(caps)
@@ -223,7 +215,7 @@ class KVLayer(CacheLayerMixin):
             self.values[dst] = values
             self.abs_pos[dst] = abs_pos
             for name, t in stats.items():
-                self.stats[name][..., dst] = t
+                self.stats[name][dst] = t
         self.lens = kept
         if next_pos is not None:
             self.pos_off = [next_pos - k for k in kept]
@@ -243,8 +235,8 @@ class KVLayer(CacheLayerMixin):
         abs_pos = self.abs_pos.view(heads, cap)
         abs_pos[:, :k] = torch.gather(abs_pos, 1, index)
         for t in self.stats.values():
-            view = t.view(*t.shape[:-1], heads, cap)
-            view[..., :k] = torch.gather(view, -1, index.expand(*t.shape[:-1], heads, k))
+            view = t.view(heads, cap)
+            view[:, :k] = torch.gather(view, 1, index)
         self.lens = [k] * heads
         if next_pos is not None:
             self.pos_off = [next_pos - k] * heads

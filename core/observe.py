@@ -131,10 +131,8 @@ class Observer:
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Softmax attention of queries q [heads, groups, rows, dim] over keys k [heads, n, dim] (or [n, dim] for one
-    head), the rows being the last of the n positions; averaged over the groups: [heads, rows, n]."""
-    if k.dim() == 2:
-        k = k[None]
+    """Softmax attention of queries q [heads, groups, rows, dim] over keys k [heads, n, dim], the rows being the
+    last of the n positions; averaged over the groups: [heads, rows, n]."""
     heads, groups, rows, dim = q.shape
     # One batched matmul per KV head (a broadcast matmul against the strided key view would copy the keys).
     logits = torch.bmm(q.reshape(heads, groups * rows, dim), k.transpose(1, 2)).view(heads, groups, rows, -1)

@@ -375,14 +375,13 @@ class Session:
         self._check_fits(len(ids))
         idx = self._new_message("user", self.cm.tokenizer.decode(ids))
         previous = self._last_logits
-        last, logprobs, top1 = self._feed([(list(ids), idx)], want_logprobs=score)
+        _, logprobs, top1 = self._feed([(list(ids), idx)], want_logprobs=score)
+        self._end(res, [(idx, list(ids))])
         if not score:
-            self._end(res, [(idx, list(ids))])
             return None
         first = torch.log_softmax(previous.float().cpu(), -1)[ids[0]] if previous is not None else torch.tensor(
             float("nan"))
         first_top = bool(previous is not None and int(previous.argmax()) == ids[0])
-        self._end(res, [(idx, list(ids))])
         return torch.cat([first[None], logprobs]), torch.cat([torch.tensor([first_top]), top1])
 
     def chat(self, user: str, **sampling) -> TurnResult:

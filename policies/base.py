@@ -47,6 +47,10 @@ class Param:
         return value
 
 
+#: The observation window of the policies that read the latest queries' attention (snapkv, cake, headaware).
+OBS_WINDOW = Param("obs_window", int, 32, "latest queries whose attention is observed", min=1, max=1024)
+
+
 @dataclass
 class LayerView:
     """What a policy may look at when scoring one layer's cached positions.

@@ -11,7 +11,7 @@ tokens are ranked by CAKE's indicator, mean + gamma * variance of the attention 
 import torch
 
 from . import register
-from .base import Param, Policy, split_budget
+from .base import OBS_WINDOW, Param, Policy, split_budget
 
 
 @register
@@ -19,7 +19,7 @@ class CAKE(Policy):
     name = "cake"
     summary = "Per-layer budgets from attention entropy and variance; CAKE's mean + gamma*variance inside a layer."
     params = (
-        Param("obs_window", int, 32, "latest queries observed", min=2, max=1024),
+        OBS_WINDOW,
         Param("tau1", float, 1.0, "temperature of the entropy term", min=1e-3),
         Param("tau2", float, 1.0, "temperature of the variance term", min=1e-3),
         Param("gamma", float, 200.0, "weight of the variance in the eviction indicator", min=0.0),

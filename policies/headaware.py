@@ -24,7 +24,7 @@ the seed text) and every one is a parameter.
 import torch
 
 from . import register
-from .base import Param, Policy, split_budget
+from .base import OBS_WINDOW, Param, Policy, split_budget
 
 CLASSES = ("retrieval", "induction", "local")
 PROFILE = 64  # positions of the attention-by-distance profile analysed by the FFT
@@ -48,7 +48,7 @@ class HeadAware(Policy):
     name = "headaware"
     summary = "Per-head budgets by head class (retrieval > induction > local), refreshed online."
     params = (
-        Param("obs_window", int, 32, "latest queries observed", min=2, max=1024),
+        OBS_WINDOW,
         Param("tau_local", float, 0.8, "attention mass within local_width that makes a head local", min=0, max=1),
         Param("local_width", int, 5, "distance that counts as local", min=1),
         Param("entropy_low", float, 0.3, "normalized entropy above which a head may be induction", min=0, max=1),

@@ -9,7 +9,7 @@ engine). In a chat the question chooses what stays.
 import torch.nn.functional as F
 
 from . import register
-from .base import Param, Policy
+from .base import OBS_WINDOW, Param, Policy
 
 
 @register
@@ -17,7 +17,7 @@ class SnapKV(Policy):
     name = "snapkv"
     summary = "The last queries' attention, pooled over neighbours, picks the positions each head keeps."
     params = (
-        Param("obs_window", int, 32, "latest queries that vote", min=1, max=1024),
+        OBS_WINDOW,
         Param("kernel", int, 7, "pooling width over neighbouring positions (odd)", min=1, max=63),
         Param("pool", str, "max", "pooling of the votes", choices=("max", "avg")),
     )
