@@ -13,6 +13,7 @@ ids, the "what the cache still sees" view, and a rebuild of the cache from the k
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import os
 import resource
@@ -143,10 +144,20 @@ class _Detokenizer:
         return delta
 
 
+def _locked(method):
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
 class Session:
     def __init__(self, model: ChatModel, settings: Settings | None = None, system: str | None = "default",
-                 store=None, sampling: Sampling | None = None, seed: int = 0, title: str | None = None):
-        """``system``: the system prompt; "default" uses the template's own default (if it has one), None none."""
+                 store=None, sampling: Sampling | None = None, seed: int = 0, title: str | None = None,
+                 undo: bool = False):
+        """``system``: the system prompt; "default" uses the template's own default (if it has one), None none.
+        ``undo``: keep a copy of the state before each turn so ``undo()`` can take the last one back."""
         self.cm = model
         settings = settings or Settings()
         settings.validate(model.max_positions, model.rotary_error)
@@ -168,6 +179,9 @@ class Session:
         self.evicted_total = 0
         self.observer = self._make_observer(self.policy)
         self._cancel = threading.Event()
+        self._lock = threading.RLock()  # a reply streams in one thread; settings / undo / views come from others
+        self.undo_enabled = undo
+        self._undo: dict | None = None
         self._pending: list[dict] = []  # turn records not yet written (the system turn waits for the first exchange)
         self._pending_settings: list[dict] = []
         self._events: list[dict] = []
@@ -206,15 +220,25 @@ class Session:
         """Change cache settings on the live session; they apply at the next step, without re-prefilling.
 
         A smaller budget compresses at once. Returns the changes applied (ValueError and nothing applied if the
-        new combination is invalid).
+        new combination is invalid). Safe to call from another thread while a reply streams.
         """
-        new = self.settings.changed(**changes)
-        new.validate(self.cm.max_positions, self.cm.rotary_error)
+        with self._lock:
+            new = self.settings.changed(**changes)
+            new.validate(self.cm.max_positions, self.cm.rotary_error)
+            applied = {k: v for k, v in new.as_dict().items() if self.settings.as_dict().get(k) != v}
+            if not applied:
+                return {}
+            self._apply_settings(new)
+            record = {"turn": self.turn, "changes": applied, "settings": new.as_dict(), "created_at": now_iso()}
+            if self.store is not None and self.conversation_id is not None:
+                self.store.record_settings(self.conversation_id, record)
+            else:
+                self._pending_settings.append(record)
+            return applied
+
+    def _apply_settings(self, new: Settings) -> None:
         policy = make_policy(new.policy, **new.params)
         old, was_bounded = self.settings, self.policy.bounded
-        applied = {k: v for k, v in new.as_dict().items() if old.as_dict().get(k) != v}
-        if not applied:
-            return {}
         self.settings, self.policy = new, policy
         if (old.policy, old.params) != (new.policy, new.params):
             self.observer = self._make_observer(policy)
@@ -227,13 +251,74 @@ class Session:
             self.cache.set_capacity(new.capacity)
         else:
             self.cache.set_capacity(None)
-        record = {"turn": self.turn, "changes": applied, "settings": new.as_dict(), "created_at": now_iso()}
-        if self.store is not None and self.conversation_id is not None:
-            self.store.record_settings(self.conversation_id, record)
-        else:
-            self._pending_settings.append(record)
-        return applied
 
+    @property
+    def can_undo(self) -> bool:
+        return self._undo is not None
+
+    def undo(self) -> list[dict]:
+        """Take back the last turn: the cache, token log and stored conversation return to their state before it
+        (the current settings stay). Needs ``undo=True`` at construction; one level. Returns the messages removed."""
+        with self._lock:
+            cp = self._undo
+            if cp is None:
+                raise ValueError("nothing to undo (only the last turn made in this session can be taken back)")
+            self._undo = None
+            current = self.settings
+            removed = self.messages[len(cp["messages"]):]
+            self.settings, self.policy = cp["settings"], make_policy(cp["settings"].policy, **cp["settings"].params)
+            self.policy.set_state(cp["policy_state"])
+            self.cache = KVCache(self.cm.num_layers, cp["capacity"], self.cm.max_positions)
+            if cp["cache"]:
+                self.cache.load_state_tensors(cp["cache"], self.cm.device, self.cm.dtype)
+            self.observer = self._make_observer(self.policy)
+            if self.observer is not None and cp["observer"]:
+                self.observer.load_state_tensors(cp["observer"], self.cm.device)
+            self.log.n, self.messages, self.turn = cp["log_n"], cp["messages"], cp["turn"]
+            del self.history[cp["history"]:]
+            for name in ("evicted_total", "system_tokens", "_sentence", "_last_logits", "_events", "_warned",
+                         "_pending", "_pending_settings", "title"):
+                setattr(self, name, cp[name])
+            self.generator.set_state(cp["generator"])
+            if current != self.settings:
+                self._apply_settings(current)
+            if self.store is not None and self.conversation_id is not None:
+                if cp["conversation_id"] is None:  # the undone turn created the conversation
+                    self.store.delete(self.conversation_id)
+                    self.conversation_id = None
+                    self._pending_settings.append({"turn": self.turn, "changes": current.as_dict(),
+                                                   "settings": current.as_dict(), "created_at": now_iso()})
+                else:
+                    self.store.truncate(self.conversation_id, self.turn, self._conversation_row())
+            return removed
+
+    def _mark_undo(self) -> None:
+        if self.undo_enabled:
+            self._checkpoint()
+
+    def _checkpoint(self) -> None:
+        """Remember the state before a turn (``undo``): a copy of the kept KV and everything that indexes it."""
+        cache = {k: t.clone() for k, t in self.cache.state_tensors().items()}
+        observer = {k: t.clone() for k, t in self.observer.state_tensors().items()} if self.observer else {}
+        self._undo = {
+            "settings": self.settings, "policy_state": self.policy.get_state(), "capacity": self.cache.capacity,
+            "cache": cache, "observer": observer, "log_n": self.log.n,
+            "messages": [dict(m) for m in self.messages], "turn": self.turn, "history": len(self.history),
+            "evicted_total": self.evicted_total, "system_tokens": self.system_tokens, "_sentence": self._sentence,
+            "_last_logits": self._last_logits, "_events": list(self._events), "_warned": set(self._warned),
+            "_pending": list(self._pending), "_pending_settings": list(self._pending_settings),
+            "title": self.title, "conversation_id": self.conversation_id,
+            "generator": self.generator.get_state(),
+        }
+
+    @property
+    def undo_bytes(self) -> int:
+        """Memory held by the undo copy of the cache."""
+        if self._undo is None:
+            return 0
+        return sum(t.numel() * t.element_size() for part in ("cache", "observer") for t in self._undo[part].values())
+
+    @_locked
     def add(self, role: str, text: str) -> TurnResult:
         """Append one message without generating (teacher forcing)."""
         if role not in ROLES:
@@ -244,6 +329,8 @@ class Session:
         ids = self._encode(self.cm.chat.segment(self.messages, {"role": role, "content": text}))
         res = self._begin(role)
         self._check_fits(len(ids))
+        if role != "system":
+            self._mark_undo()
         idx = self._new_message(role, text)
         t0 = time.perf_counter()
         self._feed([(ids, idx)])
@@ -255,6 +342,7 @@ class Session:
             res.answer = text
         return self._end(res, [(idx, ids)])
 
+    @_locked
     def exchange(self, user: str, assistant: str) -> TurnResult:
         """Append a user message and its assistant reply as given (importing or replaying a transcript)."""
         user = check_text(user, "user message")
@@ -264,6 +352,7 @@ class Session:
         asst_ids = self._encode(self.cm.chat.segment(self.messages + [u], {"role": "assistant", "content": assistant}))
         res = self._begin("assistant")
         self._check_fits(len(user_ids) + len(asst_ids))
+        self._mark_undo()
         mu, ma = self._new_message("user", user), self._new_message("assistant", assistant)
         t0 = time.perf_counter()
         self._feed([(user_ids, mu), (asst_ids, ma)])
@@ -271,6 +360,7 @@ class Session:
         res.prompt_tokens, res.answer = len(user_ids) + len(asst_ids), assistant
         return self._end(res, [(mu, user_ids), (ma, asst_ids)])
 
+    @_locked
     def probe(self, user: str, reference: str, expect: str) -> TurnResult:
         """Ask ``user``, teacher-force ``reference`` as the answer, and measure how well the cache predicts the
         tokens covering ``expect`` inside it: mean NLL, and hit = each of them was the model's top choice."""
@@ -292,6 +382,7 @@ class Session:
         cover = [j for j, (a, b) in enumerate(offsets) if b > lo and a < hi]
         res = self._begin("assistant")
         self._check_fits(len(user_ids) + len(asst_ids))
+        self._mark_undo()
         mu, ma = self._new_message("user", user), self._new_message("assistant", reference)
         t0 = time.perf_counter()
         _, logprobs, top1 = self._feed([(user_ids, mu), (asst_ids, ma)], want_logprobs=True)
@@ -302,6 +393,7 @@ class Session:
         res.prompt_tokens, res.answer, res.expect = len(user_ids) + len(asst_ids), reference, expect
         return self._end(res, [(mu, user_ids), (ma, asst_ids)])
 
+    @_locked
     def reply(self, user: str, max_new_tokens: int | None = None, temperature: float | None = None,
               top_p: float | None = None) -> Generator[str, None, TurnResult]:
         """Add a user message and generate the reply; returns a generator yielding text as it is decoded.
@@ -321,48 +413,57 @@ class Session:
         header_ids = self._encode(header)
         res = self._begin("assistant")
         self._check_fits(len(user_ids) + len(header_ids) + CLOSING_RESERVE)
+        self._mark_undo()
         return self._generate(res, u, user_ids, header, header_ids, smp)
 
     def _generate(self, res, u, user_ids, header, header_ids, smp) -> Generator[str, None, TurnResult]:
+        # The lock is held for each model step, never across a yield: settings changes, views and cancel() from
+        # other threads land between steps.
         history = self.messages + [u]
-        mu, ma = self._new_message("user", u["content"]), self._new_message("assistant", "")
-        self._cancel.clear()
-        t0 = time.perf_counter()
-        logits = self._feed([(user_ids, mu), (header_ids, ma)])[0]
-        res.prefill_ms = 1000 * (time.perf_counter() - t0)
+        with self._lock:
+            mu, ma = self._new_message("user", u["content"]), self._new_message("assistant", "")
+            self._cancel.clear()
+            t0 = time.perf_counter()
+            logits = self._feed([(user_ids, mu), (header_ids, ma)])[0]
+            res.prefill_ms = 1000 * (time.perf_counter() - t0)
         res.prompt_tokens = len(user_ids) + len(header_ids)
         generated: list[int] = []
         detok = _Detokenizer(self.cm.tokenizer)
         decode_s, steps, stopped = 0.0, 0, None
         try:
             while True:
-                token = self._sample(logits, smp)
-                generated.append(token)
-                if token in self.cm.stop_ids:
-                    stopped = "eos"
-                    break
-                delta = detok.push(token)
+                with self._lock:
+                    token = self._sample(logits, smp)
+                    generated.append(token)
+                    if token in self.cm.stop_ids:
+                        stopped = "eos"
+                        break
+                    delta = detok.push(token)
                 if delta:
                     yield delta
-                if self._cancel.is_set():
-                    stopped = "cancelled"
-                elif len(generated) >= smp.max_new_tokens:
-                    stopped = "max_tokens"
-                elif self._hard_limit_reached(1 + CLOSING_RESERVE):
-                    stopped = "context_full"
-                if stopped:
-                    break
-                t = time.perf_counter()
-                logits = self._feed([([token], ma)], continue_message=True)[0]
-                decode_s += time.perf_counter() - t
-                steps += 1
+                with self._lock:
+                    if self._cancel.is_set():
+                        stopped = "cancelled"
+                    elif len(generated) >= smp.max_new_tokens:
+                        stopped = "max_tokens"
+                    elif self._hard_limit_reached(1 + CLOSING_RESERVE):
+                        stopped = "context_full"
+                    if stopped:
+                        break
+                    t = time.perf_counter()
+                    logits = self._feed([([token], ma)], continue_message=True)[0]
+                    decode_s += time.perf_counter() - t
+                    steps += 1
         except GeneratorExit:
-            self._finish_reply(res, history, header, header_ids, user_ids, mu, ma, generated, "cancelled",
-                               decode_s, steps)
+            with self._lock:
+                self._finish_reply(res, history, header, header_ids, user_ids, mu, ma, generated, "cancelled",
+                                   decode_s, steps)
             raise
-        return self._finish_reply(res, history, header, header_ids, user_ids, mu, ma, generated, stopped,
-                                  decode_s, steps)
+        with self._lock:
+            return self._finish_reply(res, history, header, header_ids, user_ids, mu, ma, generated, stopped,
+                                      decode_s, steps)
 
+    @_locked
     def feed_raw(self, ids: list[int], score: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Feed tokens as plain text, without the chat template (long-text measurements such as perplexity).
 
@@ -373,6 +474,7 @@ class Session:
             raise ValueError("nothing to feed")
         res = self._begin("user")
         self._check_fits(len(ids))
+        self._mark_undo()
         idx = self._new_message("user", self.cm.tokenizer.decode(ids))
         previous = self._last_logits
         _, logprobs, top1 = self._feed([(list(ids), idx)], want_logprobs=score)
@@ -393,6 +495,7 @@ class Session:
             except StopIteration as stop:
                 return stop.value
 
+    @_locked
     def kept_positions(self) -> torch.Tensor:
         """Absolute positions held by at least one layer/head, ascending."""
         held = [layer.positions().flatten() for layer in self.cache.layers if layer.is_initialized]
@@ -401,6 +504,7 @@ class Session:
         held = torch.unique(torch.cat(held))
         return held[held >= 0].cpu()
 
+    @_locked
     def stats(self) -> dict:
         s = self.settings
         return {
@@ -415,6 +519,7 @@ class Session:
     # ------------------------------------------------------------------------------------------------------------
     # Persistence: snapshots and resuming
     # ------------------------------------------------------------------------------------------------------------
+    @_locked
     def save_snapshot(self) -> Path | None:
         """Write the kept KV and its positions next to the database (safetensors) and reference it from the
         conversation. Returns the path, or None when nothing has been stored yet."""
@@ -481,8 +586,12 @@ class Session:
     def _rebuild(self, positions: torch.Tensor) -> None:
         """Prefill the tokens at ``positions`` (absolute, ascending) into an empty cache."""
         tokens = self.log.column("token")[positions].long()
-        for i in range(0, positions.numel(), MAX_CHUNK):
-            self._forward(tokens[i: i + MAX_CHUNK], positions[i: i + MAX_CHUNK])
+        i = 0
+        while i < positions.numel():  # per-head policies keep a union of positions that may pass the budget
+            c = self._make_room(positions.numel() - i)
+            self._forward(tokens[i: i + c], positions[i: i + c])
+            i += c
+        self._events = []
 
     # ------------------------------------------------------------------------------------------------------------
     # Turns

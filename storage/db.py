@@ -99,6 +99,16 @@ class Store:
         with self.db.atomic():
             self.db.table("conversations").update(conversation_id, {"snapshot_path": path, "snapshot_turn": turn})
 
+    def truncate(self, conversation_id: int, turn: int, conversation: dict) -> None:
+        """Remove turn ``turn`` and later (undo), in one transaction with the conversation's new state. Settings
+        changes made after those turns stay; they now precede turn ``turn``. The snapshot no longer matches."""
+        with self.db.atomic():
+            for table in ("messages", "turn_stats", "eviction_events"):
+                self.db.execute(f"DELETE FROM {table} WHERE conversation_id = ? AND turn >= ?", [conversation_id, turn])
+            self.db.execute("UPDATE settings_changes SET turn = ? WHERE conversation_id = ? AND turn > ?",
+                            [turn, conversation_id, turn])
+            self.db.table("conversations").update(conversation_id, _dump({**conversation, "snapshot_turn": None}))
+
     def rename(self, conversation_id: int, title: str) -> None:
         self.conversation(conversation_id)
         if not title.strip():
