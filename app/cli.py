@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..core.settings import Settings
-from ..policies import POLICIES
+from ..policies import POLICIES, declared_params
 
 EXIT_USAGE = 2
 
@@ -27,15 +27,6 @@ class CLIError(ValueError):
 # ------------------------------------------------------------------------------------------------------------------
 # Arguments, generated from the settings and the policies' declared parameters
 # ------------------------------------------------------------------------------------------------------------------
-def _policy_params():
-    """Each declared policy parameter once: name -> (Param, [policies using it])."""
-    out: dict[str, tuple] = {}
-    for pname, cls in POLICIES.items():
-        for p in cls.params:
-            out.setdefault(p.name, (p, []))[1].append(pname)
-    return out
-
-
 def _model_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
     g.add_argument("--model", default="default",
@@ -61,7 +52,7 @@ def _cache_args(parser: argparse.ArgumentParser) -> None:
                    help="re-rotate kept keys to 0..n-1, or keep absolute positions")
     g.add_argument("--aggregate", default=d.aggregate, choices=["mean", "max", "sum"],
                    help="how token scores become a group score")
-    for name, (p, users) in _policy_params().items():
+    for name, (p, users) in declared_params().items():
         g.add_argument(f"--{name.replace('_', '-')}", dest=f"param_{name}", default=None,
                        help=f"{p.help} (policies: {', '.join(users)}; default {p.default})")
 
@@ -77,7 +68,7 @@ def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
 def settings_from_args(args) -> Settings:
     cls_params = {p.name for p in POLICIES[args.policy].params} if args.policy in POLICIES else set()
     params = {}
-    for name in _policy_params():
+    for name in declared_params():
         value = getattr(args, f"param_{name}", None)
         if value is None:
             continue

@@ -332,6 +332,14 @@ class KVCache(Cache):
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
 
+    @property
+    def bytes_per_position(self) -> int | None:
+        """Bytes one cached position costs over all layers and heads (None before the first forward)."""
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        if not layers:
+            return None
+        return round(sum(layer.nbytes * layer.heads / max(sum(layer.caps), 1) for layer in layers))
+
     # -- snapshots --------------------------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
         out = {}

@@ -505,6 +505,18 @@ class Session:
         return held[held >= 0].cpu()
 
     @_locked
+    def held_fraction(self) -> torch.Tensor:
+        """Per absolute position, the fraction of (layer, KV head) pairs whose cache still holds it."""
+        counts = torch.zeros(self.log.n, dtype=torch.float32)
+        heads = 0
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                pos = layer.positions().flatten().cpu().long()
+                counts += torch.bincount(pos[pos >= 0], minlength=self.log.n)[: self.log.n].float()
+                heads += layer.heads
+        return counts / max(heads, 1)
+
+    @_locked
     def stats(self) -> dict:
         s = self.settings
         return {
@@ -542,7 +554,7 @@ class Session:
 
     @classmethod
     def resume(cls, model: ChatModel, store, conversation_id: int, use_snapshot: bool = True,
-               sampling: Sampling | None = None) -> "Session":
+               sampling: Sampling | None = None, undo: bool = False) -> "Session":
         """Reopen a stored conversation. The cache is restored exactly from its snapshot when the snapshot is
         current, else rebuilt by prefilling the kept tokens (``restored_from`` says which)."""
         conv = store.conversation(conversation_id)
@@ -551,7 +563,7 @@ class Session:
         known = {f.name for f in fields(Settings)}
         settings = Settings(**{k: v for k, v in conv["settings"].items() if k in known})
         self = cls(model, settings, system=None, store=store, sampling=sampling, seed=conv["seed"] or 0,
-                   title=conv["title"])
+                   title=conv["title"], undo=undo)
         self.conversation_id = conversation_id
         for m in store.messages(conversation_id):
             idx = self._new_message(m["role"], m["text"])

@@ -27,7 +27,17 @@ def make_policy(name: str, **params: Any) -> Policy:
     return policy_class(name)(**params)
 
 
+def declared_params() -> dict[str, tuple[Param, list[str]]]:
+    """Each declared policy parameter once: name -> (Param, [policies declaring it]); for generated CLI flags and
+    settings panels."""
+    out: dict[str, tuple[Param, list[str]]] = {}
+    for pname, cls in POLICIES.items():
+        for p in cls.params:
+            out.setdefault(p.name, (p, []))[1].append(pname)
+    return out
+
+
 # Importing the modules registers them.
 from . import full, window, streaming, h2o, tova, snapkv, cake, headaware  # noqa: E402,F401
 
-__all__ = ["POLICIES", "LayerView", "Param", "Policy", "make_policy", "policy_class", "register"]
+__all__ = ["POLICIES", "LayerView", "Param", "Policy", "declared_params", "make_policy", "policy_class", "register"]
