@@ -100,6 +100,22 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--json", action="store_true", help="JSONL on stdout: one line per turn, then summaries")
     replay.add_argument("--no-save", action="store_true", help="do not store the conversations in the database")
 
+    serve = sub.add_parser("serve", help="the web UI (Gradio) on http://127.0.0.1:7860")
+    _model_args(serve)
+    _cache_args(serve)
+    _sampling_args(serve, temperature=0.7)
+    g = serve.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; any other needs --auth or --auth-file)")
+    g.add_argument("--port", type=int, default=7860)
+    g.add_argument("--auth", default=None, metavar="USER:PASSWORD", help="require this login")
+    g.add_argument("--auth-file", default=None, help="file of USER:PASSWORD lines, one login each")
+    g.add_argument("--share", action="store_true", help="also open a public Gradio share link (needs --auth)")
+    g.add_argument("--max-sessions", type=int, default=8, help="browser sessions with a chat open at once")
+    g.add_argument("--max-cache-mb", type=float, default=2048,
+                   help="cache memory all sessions may reserve together (MB)")
+    serve.add_argument("--system", default=None, help="system prompt of new conversations (default: the model's)")
+
     pol = sub.add_parser("policies", help="list eviction policies and their parameters")
     pol.add_argument("--json", action="store_true")
 
@@ -110,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--db", default=None)
     conv.add_argument("--output", "-o", default=None, help="export to this file instead of stdout")
     conv.add_argument("--json", action="store_true")
+
+    from ..bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -312,6 +332,61 @@ def _chat_command(session, line: str) -> bool:
     return True
 
 
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def parse_auth(auth: str | None, auth_file: str | None) -> list[tuple[str, str]]:
+    """Logins from --auth USER:PASSWORD and/or an --auth-file of such lines (blank lines and # comments skipped)."""
+    entries = []
+    if auth is not None:
+        entries.append(("--auth", auth))
+    if auth_file is not None:
+        path = Path(auth_file).expanduser()
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise CLIError(f"cannot read auth file {path}: {exc.strerror}") from None
+        entries += [(f"{path}:{i}", line.strip()) for i, line in enumerate(lines, 1)
+                    if line.strip() and not line.lstrip().startswith("#")]
+        if not any(where != "--auth" for where, _ in entries):
+            raise CLIError(f"auth file {path} holds no USER:PASSWORD line")
+    logins = []
+    for where, item in entries:
+        user, sep, password = item.partition(":")
+        if not sep or not user.strip() or not password:
+            raise CLIError(f"{where}: expected USER:PASSWORD")
+        logins.append((user.strip(), password))
+    return logins
+
+
+def cmd_serve(args) -> int:
+    from ..core.session import Sampling
+    from ..storage.db import Store
+
+    logins = parse_auth(args.auth, args.auth_file)
+    if args.host not in LOCAL_HOSTS and not logins:
+        raise CLIError(f"binding {args.host} exposes the chat beyond this machine: give --auth USER:PASSWORD or "
+                       "--auth-file")
+    if args.share and not logins:
+        raise CLIError("--share opens a public link: give --auth USER:PASSWORD or --auth-file")
+    if not 0 < args.port < 65536:
+        raise CLIError(f"--port must be between 1 and 65535, got {args.port}")
+    if args.max_sessions < 1 or args.max_cache_mb <= 0:
+        raise CLIError("--max-sessions and --max-cache-mb must be positive")
+    settings = settings_from_args(args)
+    settings.validate(max_positions=1 << 30)
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p).validate()
+    cm = _load_model(args)
+    settings.validate(cm.max_positions, cm.rotary_error)
+    from .sessions import SessionManager
+    from .web import serve
+
+    manager = SessionManager(cm, Store(_db_path(args.db)), settings, sampling, system=args.system or "default",
+                             max_sessions=args.max_sessions, max_cache_bytes=int(args.max_cache_mb * 2**20))
+    serve(manager, cm.name, host=args.host, port=args.port, auth=logins, share=args.share)
+    return 0
+
+
 def cmd_chat(args) -> int:
     from ..core.session import Sampling, Session
     from ..storage.db import Store
@@ -371,13 +446,20 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def _run_bench(args) -> int:
+    from ..bench.cli import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     from ..core.models import ModelError
 
-    commands = {"chat": cmd_chat, "replay": cmd_replay, "policies": cmd_policies, "conversations": cmd_conversations}
+    commands = {"serve": cmd_serve, "chat": cmd_chat, "replay": cmd_replay, "policies": cmd_policies, "conversations": cmd_conversations}
+    commands["bench"] = _run_bench
     try:
         return commands[args.command](args)
     except (ValueError, ModelError, OSError) as exc:

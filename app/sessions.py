@@ -1,0 +1,149 @@
+"""Engine sessions of the web UI: one per browser session, all on the one loaded model, within caps.
+
+Each browser tab (Gradio session) gets its own ``Session`` and cache. The manager bounds how many exist at once
+and how many cache bytes they may reserve: a bounded session reserves budget + slack positions (twice: the undo
+copy of the last turn), a ``full`` one the model's max positions. A conversation is held by one tab at a time;
+opening it in a second tab moves it there (its cache is saved to a snapshot first).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from ..core.models import ChatModel
+from ..core.session import Sampling, Session
+from ..core.settings import Settings
+from ..storage.db import Store
+
+
+class CapacityError(RuntimeError):
+    """The server has no room for another session or a larger cache."""
+
+
+@dataclass
+class Entry:
+    session: Session
+    rss_mb: dict[int, float] = field(default_factory=dict)  # turn -> process RSS after it
+    busy: bool = False  # a reply is streaming
+
+
+class SessionManager:
+    def __init__(self, model: ChatModel, store: Store, settings: Settings, sampling: Sampling,
+                 system: str | None = "default", max_sessions: int = 8, max_cache_bytes: int = 2 << 30):
+        if max_sessions < 1:
+            raise ValueError("max sessions must be >= 1")
+        if max_cache_bytes < 1:
+            raise ValueError("the cache memory cap must be positive")
+        settings.validate(model.max_positions, model.rotary_error)
+        self.model, self.store = model, store
+        self.settings, self.sampling, self.system = settings, sampling.validate(), system
+        self.max_sessions, self.max_cache_bytes = max_sessions, max_cache_bytes
+        self.entries: dict[str, Entry] = {}
+        self.moved: set[str] = set()  # tabs whose conversation was opened in another tab
+        self._lock = threading.RLock()
+        self._per_position: int | None = None
+
+    # -- accounting -----------------------------------------------------------------------------------------------
+    def per_position_bytes(self) -> int:
+        """Cache bytes per position over all layers (measured once on a one-token probe session)."""
+        if self._per_position is None:
+            probe = Session(self.model, Settings(policy="full"), system=None)
+            probe.feed_raw([self.model.tokenizer.eos_token_id or 0], score=False)
+            self._per_position = probe.cache.bytes_per_position
+        return self._per_position
+
+    def reserve(self, settings: Settings) -> int:
+        """Bytes a session with ``settings`` may come to hold (its cache and the undo copy)."""
+        bounded = settings.capacity if settings.policy != "full" else self.model.max_positions
+        return 2 * bounded * self.per_position_bytes()
+
+    def reserved(self, exclude: str | None = None) -> int:
+        with self._lock:
+            return sum(self.reserve(e.session.settings) for k, e in self.entries.items() if k != exclude)
+
+    def check_room(self, key: str, settings: Settings, new: bool) -> None:
+        """CapacityError with a one-line reason if ``key`` cannot hold a session with ``settings``."""
+        with self._lock:
+            if new and key not in self.entries and len(self.entries) >= self.max_sessions:
+                raise CapacityError(f"kvchat is full: {len(self.entries)} chat sessions are open (the server allows "
+                                    f"{self.max_sessions}); close a tab or try again later")
+            need, used = self.reserve(settings), self.reserved(exclude=key)
+            if used + need > self.max_cache_bytes:
+                raise CapacityError(
+                    f"not enough cache memory: this session needs {need / 2**20:.0f} MB, "
+                    f"{(self.max_cache_bytes - used) / 2**20:.0f} MB of the server's {self.max_cache_bytes / 2**20:.0f} "
+                    "MB are free; choose a smaller budget or try again later")
+
+    # -- sessions -------------------------------------------------------------------------------------------------
+    def get(self, key: str) -> Entry | None:
+        with self._lock:
+            return self.entries.get(key)
+
+    def entry(self, key: str, settings: Settings | None = None) -> Entry:
+        """The tab's session, created (a new conversation) if it has none."""
+        with self._lock:
+            if key in self.entries:
+                return self.entries[key]
+            return self.new(key, settings)
+
+    def new(self, key: str, settings: Settings | None = None, system: str | None = None) -> Entry:
+        """Start a new conversation in tab ``key`` (replacing the one it held)."""
+        settings = settings or (self.entries[key].session.settings if key in self.entries else self.settings)
+        with self._lock:
+            self.check_room(key, settings, new=True)
+            session = Session(self.model, settings, system=self.system if system is None else (system or None),
+                              store=self.store, sampling=self._sampling(key), undo=True)
+            self._drop(key)
+            self.entries[key] = Entry(session)
+            self.moved.discard(key)
+            return self.entries[key]
+
+    def open(self, key: str, conversation_id: int) -> Entry:
+        """Continue a stored conversation in tab ``key``, its cache restored."""
+        with self._lock:
+            conv = self.store.conversation(conversation_id)
+            holder = next((k for k, e in self.entries.items() if e.session.conversation_id == conversation_id), None)
+            if holder == key:
+                return self.entries[key]
+            if holder is not None:
+                if self.entries[holder].busy:
+                    raise CapacityError("that conversation is generating a reply in another tab; wait for it to end")
+            known = Settings.__dataclass_fields__
+            settings = Settings(**{k: v for k, v in conv["settings"].items() if k in known})
+            self.check_room(key, settings, new=holder is None)
+            if holder is not None:
+                self.release(holder)
+                self.moved.add(holder)
+            sampling = self._sampling(key)
+            session = Session.resume(self.model, self.store, conversation_id, sampling=sampling, undo=True)
+            self._drop(key)
+            self.entries[key] = Entry(session)
+            self.moved.discard(key)
+            return self.entries[key]
+
+    def release(self, key: str) -> None:
+        """The tab closed: save the cache of its conversation (exact restore later) and free it."""
+        with self._lock:
+            self._drop(key)
+
+    def _drop(self, key: str) -> None:
+        entry = self.entries.pop(key, None)
+        if entry is None:
+            return
+        entry.session.cancel()
+        if entry.session.conversation_id is not None and not entry.busy:
+            entry.session.save_snapshot()
+
+    def _sampling(self, key: str) -> Sampling:
+        entry = self.entries.get(key)
+        return Sampling(**vars(entry.session.sampling)) if entry else Sampling(**vars(self.sampling))
+
+    def holder(self, conversation_id: int) -> str | None:
+        with self._lock:
+            return next((k for k, e in self.entries.items() if e.session.conversation_id == conversation_id), None)
+
+    def close(self) -> None:
+        with self._lock:
+            for key in list(self.entries):
+                self._drop(key)

@@ -1,0 +1,226 @@
+"""What the web UI draws: charts of the cache over the conversation, and the conversation as the cache holds it.
+
+Everything here reads a session (under its lock, through its public methods) and the store; nothing changes them.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+from dataclasses import dataclass
+
+import plotly.graph_objects as go
+import torch
+from plotly.subplots import make_subplots
+
+from ..core.session import ROLES, Session, peak_rss_mb
+from ..storage.db import Store
+
+VIEW_TOKENS = 30000  # the cache view shows at most this many of the most recent tokens
+MB = 2**20
+
+
+def rss_mb() -> float:
+    """The process's resident memory now (Linux /proc; elsewhere the peak)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MB
+    except (OSError, ValueError, IndexError):
+        return peak_rss_mb()
+
+
+@dataclass
+class Live:
+    """The turn being generated, drawn as the newest point while a reply streams."""
+
+    turn: int
+    cache_tokens: int
+    cache_bytes: int
+    tokens_per_s: float | None
+    rss_mb: float
+
+
+def _change_label(changes: dict) -> str:
+    shown = [f"{k} {v}" for k, v in changes.items() if k in ("policy", "budget", "groups", "positions", "window",
+                                                            "sink")]
+    if "params" in changes and changes["params"]:
+        shown.append(", ".join(f"{k} {v}" for k, v in changes["params"].items()))
+    return " · ".join(shown) or "settings"
+
+
+def charts(session: Session, store: Store, rss: dict[int, float], per_position: int, live: Live | None = None):
+    """The cache over the conversation: tokens and bytes against the budget, evictions, decode speed, process
+    memory, per-layer budgets; a dashed marker where settings changed."""
+    rows = store.turn_stats(session.conversation_id) if session.conversation_id is not None else []
+    changes = store.settings_changes(session.conversation_id) if session.conversation_id is not None else []
+    rows = [r for r in rows if r["role"] != "system"]
+    turns = [r["turn"] for r in rows]
+    budgets = [r["settings"]["budget"] if r["policy"] != "full" else None for r in rows]
+    caps = [r["settings"]["budget"] + r["settings"]["slack"] if r["policy"] != "full" else None for r in rows]
+    tokens = [r["cache_tokens"] for r in rows]
+    mbytes = [r["cache_bytes"] / MB for r in rows]
+    speed = [1000 / r["decode_ms_per_token"] if r["decode_ms_per_token"] else None for r in rows]
+    evicted = [r["evicted_tokens"] for r in rows]
+    rss_turns = [t for t in turns if t in rss]
+    rss_vals = [rss[t] for t in rss_turns]
+    if live is not None:
+        turns, tokens, mbytes = turns + [live.turn], tokens + [live.cache_tokens], mbytes + [live.cache_bytes / MB]
+        speed = speed + [live.tokens_per_s]
+        bounded = session.policy.bounded
+        budgets = budgets + [session.settings.budget if bounded else None]
+        caps = caps + [session.settings.capacity if bounded else None]
+        rss_turns, rss_vals = rss_turns + [live.turn], rss_vals + [live.rss_mb]
+
+    fig = make_subplots(rows=2, cols=3, horizontal_spacing=0.07, vertical_spacing=0.16, subplot_titles=(
+        "cache (positions per layer)", "cache memory (MB)", "evicted tokens per turn",
+        "decode speed (tokens/s)", "process memory (RSS, MB)", "positions held per layer now"))
+    line = dict(mode="lines+markers", marker=dict(size=5))
+    fig.add_trace(go.Scatter(x=turns, y=tokens, name="cache", line=dict(color="#1f77b4"), **line), 1, 1)
+    fig.add_trace(go.Scatter(x=turns, y=budgets, name="budget", mode="lines+markers", marker=dict(size=3),
+                             line=dict(color="#d62728", dash="dash", shape="hv")), 1, 1)
+    fig.add_trace(go.Scatter(x=turns, y=caps, name="budget + slack", mode="lines+markers", marker=dict(size=3),
+                             line=dict(color="#ff9896", dash="dot", shape="hv")), 1, 1)
+    fig.add_trace(go.Scatter(x=turns, y=mbytes, name="cache MB", line=dict(color="#1f77b4"), showlegend=False,
+                             **line), 1, 2)
+    fig.add_trace(go.Scatter(x=turns, y=[c * per_position / MB if c else None for c in caps], name="budget MB",
+                             mode="lines+markers", marker=dict(size=3), line=dict(color="#ff9896", dash="dot", shape="hv"), showlegend=False),
+                  1, 2)
+    fig.add_trace(go.Bar(x=[r["turn"] for r in rows], y=evicted, name="evicted", marker_color="#7f7f7f",
+                         showlegend=False), 1, 3)
+    fig.add_trace(go.Scatter(x=turns, y=speed, name="tokens/s", line=dict(color="#2ca02c"), showlegend=False,
+                             **line), 2, 1)
+    fig.add_trace(go.Scatter(x=rss_turns, y=rss_vals, name="RSS", line=dict(color="#9467bd"), showlegend=False,
+                             **line), 2, 2)
+    held, allocated = layer_lengths(session)
+    layers = list(range(len(held)))
+    fig.add_trace(go.Bar(x=layers, y=held, name="held", marker_color="#1f77b4", showlegend=False), 2, 3)
+    if allocated is not None:
+        fig.add_trace(go.Scatter(x=layers, y=allocated, name="layer budget", mode="markers",
+                                 marker=dict(color="#d62728", symbol="line-ew-open", size=12, line=dict(width=2)),
+                                 showlegend=False), 2, 3)
+    changed = rows and (session.cache.mean_length, session.cache_bytes) != (rows[-1]["cache_tokens"],
+                                                                           rows[-1]["cache_bytes"])
+    if live is None and changed:
+        # The cache changed since the last turn (a live settings change compressed it): show where it is now.
+        now = dict(mode="markers", marker=dict(symbol="star", size=11, color="#ff7f0e"), name="now")
+        fig.add_trace(go.Scatter(x=[session.turn - 0.5], y=[session.cache.mean_length], **now), 1, 1)
+        fig.add_trace(go.Scatter(x=[session.turn - 0.5], y=[session.cache_bytes / MB], showlegend=False, **now), 1, 2)
+    by_turn: dict[int, list[str]] = {}
+    for change in changes:
+        by_turn.setdefault(change["turn"], []).append(_change_label(change["changes"]))
+    for i, (turn, labels) in enumerate(sorted(by_turn.items())):
+        x = turn - 0.5
+        for r, c in ((1, 1), (1, 2), (1, 3), (2, 1), (2, 2)):
+            fig.add_vline(x=x, line=dict(color="#ff7f0e", dash="dash", width=1), row=r, col=c)
+        fig.add_annotation(x=x, y=1 - 0.12 * (i % 3), yref="y domain", text="<br>".join(labels), showarrow=False,
+                           xanchor="left", yanchor="top", align="left", font=dict(size=10, color="#ff7f0e"),
+                           row=1, col=1)
+    fig.update_xaxes(title_text="turn", row=2, col=1)
+    fig.update_xaxes(title_text="turn", row=2, col=2)
+    fig.update_xaxes(title_text="layer", row=2, col=3)
+    fig.update_layout(height=520, margin=dict(l=40, r=10, t=40, b=40), legend=dict(orientation="h", y=-0.12),
+                      template="plotly_white", uirevision="kvchat")
+    return fig
+
+
+def layer_lengths(session: Session) -> tuple[list[float], list[float] | None]:
+    """Mean positions held per layer now, and the policy's per-layer allocation if it has one."""
+    with session._lock:
+        held = [sum(layer.lens) / layer.heads if layer.is_initialized else 0.0 for layer in session.cache.layers]
+        report = session.policy.report()
+    if report.get("layer_budgets"):
+        return held, [float(b) for b in report["layer_budgets"]]
+    if report.get("head_budgets"):
+        return held, [sum(h) / len(h) for h in report["head_budgets"]]
+    return held, None
+
+
+CLASS_COLORS = {"retrieval": "#1f77b4", "induction": "#ff7f0e", "local": "#2ca02c"}
+
+
+def head_map(session: Session):
+    """The head-aware policy's class per layer and KV head (None for other policies or before its first pass)."""
+    report = session.policy.report()
+    classes = report.get("head_classes")
+    if not classes:
+        return None
+    names = list(CLASS_COLORS)
+    z = [[names.index(c) for c in layer] for layer in classes]
+    budgets = report.get("head_budgets") or [[None] * len(layer) for layer in classes]
+    text = [[f"{c}<br>budget {b}" for c, b in zip(layer, bl)] for layer, bl in zip(classes, budgets)]
+    n = len(names)
+    scale = []  # one flat colour band per class
+    for k, name in enumerate(names):
+        scale += [[k / n, CLASS_COLORS[name]], [(k + 1) / n, CLASS_COLORS[name]]]
+    fig = go.Figure(go.Heatmap(z=z, text=text, hoverinfo="text+x+y", zmin=-0.5, zmax=n - 0.5,
+                               colorscale=scale, colorbar=dict(tickvals=list(range(n)), ticktext=names)))
+    fig.update_layout(title="head classes (layer × KV head)", height=420, template="plotly_white",
+                      xaxis_title="KV head", yaxis_title="layer", margin=dict(l=40, r=10, t=40, b=40))
+    return fig
+
+
+def cache_view(session: Session) -> str:
+    """The conversation as the model sees it: text the cache holds in every head, in some heads, or in none."""
+    with session._lock:
+        n = session.log.n
+        held = session.held_fraction()
+        tokens = session.log.column("token").tolist()
+        message = session.log.column("message").tolist()
+        role = session.log.column("role").tolist()
+    if n == 0:
+        return '<div class="kv-cacheview"><p class="kv-summary">Nothing cached yet.</p></div>'
+    start = max(0, n - VIEW_TOKENS)
+    levels = [2 if h >= 0.9999 else 1 if h > 0 else 0 for h in held.tolist()]
+    seen = sum(1 for h in levels if h)
+    full = sum(1 for h in levels if h == 2)
+    tok = session.cm.tokenizer
+    parts = [f'<p class="kv-summary">The model still sees <b>{seen:,}</b> of {n:,} tokens ({100 * seen / n:.0f}%)'
+             f': {full:,} in every head, {seen - full:,} in some heads, {n - seen:,} evicted.'
+             + (f" Showing the last {VIEW_TOKENS:,}." if start else "") + "</p>"]
+    cls = {2: "kv-kept", 1: "kv-partial", 0: "kv-evicted"}
+    i, open_msg = start, None
+    while i < n:
+        if message[i] != open_msg:
+            if open_msg is not None:
+                parts.append("</div>")
+            open_msg = message[i]
+            r = ROLES[role[i]]
+            parts.append(f'<div class="kv-msg kv-{r}"><span class="kv-role">{r}</span>')
+        j = i
+        while j < n and message[j] == open_msg and levels[j] == levels[i]:
+            j += 1
+        text = tok.decode(tokens[i:j], skip_special_tokens=False)
+        parts.append(f'<span class="{cls[levels[i]]}">{html.escape(text)}</span>')
+        i = j
+    parts.append("</div>")
+    return '<div class="kv-cacheview">' + "".join(parts) + "</div>"
+
+
+def message_tokens(session: Session) -> list[int]:
+    """Tokens per message (as the template rendered it), by message index."""
+    with session._lock:
+        column = session.log.column("message").long()
+        count = len(session.messages)
+    if column.numel() == 0:
+        return [0] * count
+    return torch.bincount(column, minlength=count)[:count].tolist()
+
+
+def chat_messages(session: Session, streaming: str | None = None) -> list[dict]:
+    """The conversation for the chat pane, each message with its token count (system prompt left out)."""
+    counts = message_tokens(session)
+    with session._lock:
+        messages = [dict(m) for m in session.messages]
+    out = []
+    for i, m in enumerate(messages):
+        if m["role"] == "system":
+            continue
+        content = m["content"]
+        if streaming is not None and i == len(messages) - 1 and m["role"] == "assistant":
+            content = streaming
+        if streaming is not None and i == len(messages) - 1 and m["role"] == "assistant":
+            out.append({"role": "assistant", "content": content + " ▌"})  # still generating
+            continue
+        count = counts[i] if i < len(counts) else 0
+        out.append({"role": m["role"], "content": f"{content}\n\n<sub>{count:,} tokens</sub>"})
+    return out

@@ -1,0 +1,330 @@
+"""The web UI in a real browser: `kvchat serve` with the default model, driven by Debian's chromium (playwright).
+
+Screenshots of the main screens go to $KVCHAT_TEST_OUTPUT (default: test-output/ in the repository).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+CHROMIUM = "/usr/bin/chromium"
+OUT = Path(os.environ.get("KVCHAT_TEST_OUTPUT", REPO / "test-output")) / "screenshots"
+pytestmark = pytest.mark.model
+
+
+def _need_chromium():
+    if not Path(CHROMIUM).exists() and not os.environ.get("CI"):
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium); CI installs it")
+    pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, tmp: Path, *flags: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self.db = tmp / "web.db"
+        self.log = tmp / "serve.log"
+        cmd = [sys.executable, "-m", "kvchat.app.cli", "serve", "--port", str(self.port), "--db", str(self.db),
+               "--temperature", "0", *flags]
+        self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvchat serve exited: {self.log.read_text()[-2000:]}")
+            try:
+                urllib.request.urlopen(self.url, timeout=2)
+                return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError("kvchat serve did not start in 180 s")
+
+    def stop(self):
+        self.proc.terminate()
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    _need_chromium()
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True,
+                              args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def server(default_dir, tmp_path_factory):
+    _need_chromium()
+    srv = Server(tmp_path_factory.mktemp("web"), "--policy", "streaming", "--budget", "96", "--max-new-tokens",
+                 "24", "--max-sessions", "4")
+    yield srv
+    srv.stop()
+
+
+def _open(browser, url):
+    context = browser.new_context(viewport={"width": 1500, "height": 1100}, accept_downloads=True)
+    page = context.new_page()
+    page.set_default_timeout(60000)
+    page.goto(url)
+    page.wait_for_function(f"() => {INFO_JS}.includes('session')")
+    return context, page
+
+
+# The markdown's own text (the element also holds Gradio's progress tracker while an event runs).
+INFO_JS = "(document.querySelector('#kv-info .prose')?.innerText || '')"
+STATUS_JS = "(document.querySelector('#kv-status .prose')?.innerText || '')"
+
+
+def _info(page) -> str:
+    return page.evaluate(f"() => {INFO_JS}")
+
+
+def _status(page) -> str:
+    return page.evaluate(f"() => {STATUS_JS}")
+
+
+def _state(page) -> str:
+    return _info(page) + _status(page)
+
+
+def _wait_done(page, before: str):
+    """Wait until an event has updated the info or status line (replies end with their timings)."""
+    page.wait_for_function(f"b => {INFO_JS} + {STATUS_JS} !== b && {INFO_JS}.includes('tokens in the conversation')",
+                           arg=before)
+
+
+def _send(page, text: str):
+    before = _state(page)
+    page.fill("#kv-input textarea", text)
+    page.click("#kv-send")
+    _wait_done(page, before)
+
+
+def _bot_messages(page) -> list[str]:
+    return page.locator("#kv-chat .bot.message").all_inner_texts()
+
+
+def _wait_bot_count(page, n: int):
+    """Wait until the chat shows n finished assistant messages (each ends with its token count)."""
+    page.wait_for_function("n => { const m = [...document.querySelectorAll('#kv-chat .bot.message')];"
+                           " return m.length === n && m.every(e => / tokens$/.test(e.innerText.trim())); }", arg=n)
+
+
+def _set_number(page, elem: str, value: str):
+    before = _state(page)
+    box = page.locator(f"#{elem} input")
+    box.fill(value)
+    box.press("Enter")
+    _wait_done(page, before)
+
+
+def _shot(page, name: str):
+    OUT.mkdir(parents=True, exist_ok=True)
+    page.wait_for_function("() => !document.body.innerText.includes('processing |')")
+    page.screenshot(path=str(OUT / f"{name}.png"), full_page=True)
+
+
+def _session_id(page) -> str:
+    return re.search(r"session (\S+)", _info(page)).group(1)
+
+
+def test_chat_streams_and_live_settings_change_charts_and_cache_view(browser, server):
+    context, page = _open(browser, server.url)
+    try:
+        # A reply streams: the bot message grows over several polls before the turn ends.
+        page.fill("#kv-input textarea", "Hello! Tell me a short story about a lighthouse keeper.")
+        page.click("#kv-send")
+        lengths = []
+        while True:  # a reply being generated ends in a cursor; a finished one in its token count
+            texts = _bot_messages(page)
+            if texts and re.search(r"\d+ tokens$", texts[-1].strip()):
+                break
+            lengths.append(len(texts[-1]) if texts and texts[-1].strip().endswith("▌") else 0)
+            assert len(lengths) < 4000, "the reply did not end"
+            time.sleep(0.05)
+        assert len({n for n in lengths if n > 0}) >= 3, f"no streaming seen: {lengths}"
+        page.wait_for_function(f"() => {INFO_JS}.includes('conversation #')")
+        reply = _bot_messages(page)[-1]
+        assert re.search(r"\d+ tokens", reply) and len(reply) > 20
+        assert "conversation #" in _info(page)
+        _shot(page, "01-chat")
+
+        # Fill the cache past its budget, then switch policy and budget on the live conversation.
+        for text in ("My locker code is 4417 and my sister is called Beatrice. Please remember both.",
+                     "Now describe the sea at night in three sentences, with waves and stars."):
+            _send(page, text)
+        assert "streaming budget 96" in _info(page)
+        page.click("#kv-policy input")
+        page.click("[role=option]:has-text('h2o')")
+        page.wait_for_function(f"() => {INFO_JS}.includes('h2o budget 96')")
+        _set_number(page, "kv-budget", "48")
+        assert "budget 96 → 48" in _status(page)
+        assert "h2o budget 48" in _info(page)
+        cache_now = int(re.search(r"cache (\d+) /", _info(page)).group(1))
+        assert cache_now <= 48
+        charts = page.inner_text("#kv-charts")
+        assert "cache (positions per layer)" in charts and "budget 48" in charts  # the settings marker
+        _shot(page, "02-charts-after-settings-change")
+
+        page.click("role=tab[name='What the cache holds']")
+        view = page.locator("#kv-cache-view")
+        view.locator(".kv-evicted").first.wait_for()
+        assert view.locator(".kv-kept").count() > 0
+        assert re.search(r"still sees [\d,]+ of [\d,]+ tokens", view.inner_text())
+        _shot(page, "03-cache-view")
+
+        # A bad combination shows a visible message and changes nothing.
+        _set_number(page, "kv-window", "100")
+        assert "must be at least sink + window" in _status(page)
+        assert "h2o budget 48" in _info(page)
+        _set_number(page, "kv-window", "")
+
+        # The next reply runs under the new policy and stays within budget + slack.
+        _send(page, "Thanks. What was my locker code?")
+        cache_now, cap = map(int, re.search(r"cache (\d+) / (\d+)", _info(page)).groups())
+        assert cap == 48 + 64 and cache_now <= cap
+
+        # Undo takes the last turn back (its question returns to the input); retry regenerates the same reply.
+        answer = _bot_messages(page)[-1]
+        n_bot = len(_bot_messages(page))
+        before = _state(page)
+        page.click("#kv-undo")
+        _wait_done(page, before)
+        _wait_bot_count(page, n_bot - 1)
+        assert page.input_value("#kv-input textarea") == "Thanks. What was my locker code?"
+        before = _state(page)
+        page.click("#kv-send")
+        _wait_done(page, before)
+        _wait_bot_count(page, n_bot)
+        before = _state(page)
+        page.click("#kv-retry")
+        _wait_done(page, before)
+        _wait_bot_count(page, n_bot)
+        assert _bot_messages(page)[-1] == answer  # greedy: the cache before the turn was restored exactly
+        _shot(page, "04-after-retry")
+    finally:
+        context.close()
+
+
+def test_reload_reopens_a_conversation_from_the_list_and_exports_it(browser, server, tmp_path):
+    context, page = _open(browser, server.url)
+    try:
+        _send(page, "Remember this: the meeting is in Lisbon on Tuesday.")
+        cid = int(re.search(r"conversation #(\d+)", _info(page)).group(1))
+        first_session = _session_id(page)
+        page.reload()
+        page.wait_for_function(f"() => {INFO_JS}.includes('session')")
+        assert _session_id(page) != first_session and "new conversation" in _info(page)
+        assert _bot_messages(page) == []
+        item = page.locator("#kv-conversations label", has_text=f"#{cid} Remember this")
+        assert "tokens" in item.inner_text() and "streaming" in item.inner_text()
+        _shot(page, "05-conversation-list")
+        item.click()
+        before = _state(page)
+        page.click("#kv-open")
+        _wait_done(page, before)
+        assert f"conversation #{cid}" in _info(page)
+        assert "opened conversation" in _status(page)
+        assert "Lisbon" in page.inner_text("#kv-chat")
+        _send(page, "Where is the meeting?")
+        _wait_bot_count(page, 2)
+
+        # Rename, then export as a replay script that `kvchat replay` runs headless.
+        page.fill("#kv-title textarea", "Lisbon meeting")
+        page.click("#kv-rename")
+        page.locator("#kv-conversations label", has_text=f"#{cid} Lisbon meeting").wait_for()
+        page.click("#kv-export")
+        link = page.locator("#kv-export-file a").first
+        link.wait_for()
+        with page.expect_download() as dl:
+            link.click()
+        script = tmp_path / "replay.jsonl"
+        dl.value.save_as(script)
+        lines = [json.loads(line) for line in script.read_text().splitlines()]
+        assert [next(iter(line)) for line in lines] == ["system", "user", "assistant", "user", "assistant"]
+        assert lines[1]["user"] == "Remember this: the meeting is in Lisbon on Tuesday."
+        done = subprocess.run([sys.executable, "-m", "kvchat.app.cli", "replay", str(script), "--no-save",
+                               "--json", "--max-new-tokens", "4", "--budget", "64"],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+    finally:
+        context.close()
+
+
+def test_each_browser_context_gets_its_own_session(browser, server):
+    ctx_a, a = _open(browser, server.url)
+    ctx_b, b = _open(browser, server.url)
+    try:
+        assert _session_id(a) != _session_id(b)
+        _send(a, "Only tab A says this: pineapples.")
+        assert "pineapples" in a.inner_text("#kv-chat")
+        assert b.locator("#kv-chat .message").count() == 0
+        # B's settings change does not touch A's session.
+        page_b_policy = b.locator("#kv-policy input")
+        page_b_policy.click()
+        b.click("[role=option]:has-text('tova')")
+        b.wait_for_function(f"() => {INFO_JS}.includes('tova budget')")
+        assert "streaming budget" in _info(a)
+        _send(b, "Tab B talks about kiwis.")
+        assert "pineapples" not in b.inner_text("#kv-chat")
+        _shot(b, "06-second-session")
+    finally:
+        ctx_a.close()
+        ctx_b.close()
+
+
+def test_a_full_server_says_so(browser, default_dir, tmp_path):
+    srv = Server(tmp_path, "--max-sessions", "1", "--budget", "64")
+    try:
+        ctx_a, a = _open(browser, srv.url)
+        ctx_b = browser.new_context()
+        b = ctx_b.new_page()
+        b.goto(srv.url)
+        b.wait_for_function(f"() => {STATUS_JS}.includes('full')", timeout=60000)
+        assert "1" in _status(b) and "chat sessions are open" in _status(b)
+        _shot(b, "07-server-full")
+        ctx_a.close()
+        ctx_b.close()
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--host", "0.0.0.0"], "give --auth"),
+    (["--share"], "--share opens a public link"),
+    (["--auth", "nopassword"], "expected USER:PASSWORD"),
+    (["--auth-file", "/nonexistent/logins"], "cannot read auth file"),
+    (["--port", "0"], "--port must be between"),
+    (["--budget", "8", "--window", "20"], "must be at least sink + window"),
+])
+def test_serve_refuses_bad_flags_in_one_line(flags, message):
+    done = subprocess.run([sys.executable, "-m", "kvchat.app.cli", "serve", *flags], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2
+    assert done.stderr.startswith("kvchat: error:") and message in done.stderr
+    assert done.stderr.count("\n") == 1
+
