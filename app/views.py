@@ -102,9 +102,10 @@ def charts(session: Session, store: Store, rss: dict[int, float], per_position: 
                                                                            rows[-1]["cache_bytes"])
     if live is None and changed:
         # The cache changed since the last turn (a live settings change compressed it): show where it is now.
-        now = dict(mode="markers", marker=dict(symbol="star", size=11, color="#ff7f0e"), name="now")
-        fig.add_trace(go.Scatter(x=[session.turn - 0.5], y=[session.cache.mean_length], **now), 1, 1)
-        fig.add_trace(go.Scatter(x=[session.turn - 0.5], y=[session.cache_bytes / MB], showlegend=False, **now), 1, 2)
+        now = dict(mode="markers", marker=dict(symbol="star", size=11, color="#ff7f0e"))
+        fig.add_trace(go.Scatter(x=[session.turn - 0.5], y=[session.cache.mean_length], name="now", **now), 1, 1)
+        fig.add_trace(go.Scatter(x=[session.turn - 0.5], y=[session.cache_bytes / MB], name="now MB",
+                                 showlegend=False, **now), 1, 2)
     by_turn: dict[int, list[str]] = {}
     for change in changes:
         by_turn.setdefault(change["turn"], []).append(_change_label(change["changes"]))

@@ -212,7 +212,7 @@ class WebApp:
         user = next((m["content"] for m in removed if m["role"] == "user"), None)
         yield from self._stream(key, user)
 
-    def apply_settings(self, request: gr.Request, *values):
+    def apply_settings(self, request: gr.Request, *values, quiet: bool = False):
         """Settings widgets -> the live session. Returns charts, head map, cache view, status, info."""
         key = request.session_hash
         policy, budget, sink, window, slack, groups, positions, aggregate = values[:8]
@@ -246,10 +246,16 @@ class WebApp:
             if "params" in applied:
                 what = ", ".join(filter(None, [what, f"params {applied['params'] or 'defaults'}"]))
             status = f"applied: {what}"
+        elif quiet:
+            return [gr.skip()] * 5  # the blur after an Enter that already applied the value
         else:
-            return [gr.skip()] * 5  # e.g. the blur after an Enter that already applied the value
+            status = "settings unchanged"
         s = entry.session
         return [self._charts(entry), self._head_map(entry), cache_view(s), status, self._info(key, entry)]
+
+    def apply_settings_on_blur(self, request: gr.Request, *values):
+        """Leaving a field applies it too, silently when nothing changed."""
+        return self.apply_settings(request, *values, quiet=True)
 
     def policy_changed(self, policy: str):
         """Show the new policy's parameters at their defaults."""
@@ -446,7 +452,7 @@ class WebApp:
             for box in (budget, sink, window, slack, *param_boxes):
                 if isinstance(box, gr.Number):
                     box.submit(self.apply_settings, settings_inputs, settings_out)
-                    box.blur(self.apply_settings, settings_inputs, settings_out)
+                    box.blur(self.apply_settings_on_blur, settings_inputs, settings_out)
                 else:
                     box.input(self.apply_settings, settings_inputs, settings_out)
             max_new.submit(self.sampling, [max_new, temperature, top_p], [status])

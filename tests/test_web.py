@@ -289,8 +289,11 @@ def test_each_browser_context_gets_its_own_session(browser, server):
         b.click("[role=option]:has-text('tova')")
         b.wait_for_function(f"() => {INFO_JS}.includes('tova budget')")
         assert "streaming budget" in _info(a)
-        _send(b, "Tab B talks about kiwis.")
+        # Markdown is rendered, HTML in a message is not run.
+        _send(b, 'Tab B talks about **kiwis** <img src=x onerror="window.__pwned=1">')
         assert "pineapples" not in b.inner_text("#kv-chat")
+        assert b.locator("#kv-chat strong", has_text="kiwis").count() >= 1
+        assert b.evaluate("() => window.__pwned") is None
         _shot(b, "06-second-session")
     finally:
         ctx_a.close()

@@ -1,0 +1,113 @@
+"""The web UI's parts without a browser: session caps, conversations moving between tabs, charts and the cache
+view against the engine's own numbers."""
+
+import re
+
+import pytest
+
+from kvchat.app.sessions import CapacityError, SessionManager
+from kvchat.app.views import cache_view, charts, chat_messages, head_map, layer_lengths
+from kvchat.core.session import Sampling
+from kvchat.core.settings import Settings
+from kvchat.storage.db import Store
+
+GREEDY = Sampling(max_new_tokens=6, temperature=0.0)
+SETTINGS = Settings(policy="streaming", budget=48, window=8, slack=6)
+
+
+@pytest.fixture
+def manager(tiny, tmp_path):
+    return SessionManager(tiny("llama"), Store(tmp_path / "kv.db"), SETTINGS, GREEDY, max_sessions=2)
+
+
+def _chat(session, turns=4):
+    for i in range(turns):
+        session.exchange(f"Item {i}: the red kite flies over the hill. " * 2, f"Kite {i} noted.")
+
+
+def test_session_cap_gives_a_clear_message(manager):
+    manager.entry("a")
+    manager.entry("b")
+    with pytest.raises(CapacityError, match="2 chat sessions are open"):
+        manager.entry("c")
+    manager.release("a")
+    manager.entry("c")
+
+
+def test_cache_memory_cap_counts_what_sessions_may_reserve(tiny, tmp_path):
+    m = SessionManager(tiny("llama"), Store(tmp_path / "kv.db"), SETTINGS, GREEDY, max_sessions=8,
+                       max_cache_bytes=1)
+    with pytest.raises(CapacityError, match="not enough cache memory"):
+        m.entry("a")
+    per = m.per_position_bytes()
+    assert per > 0
+    m.max_cache_bytes = 2 * m.reserve(SETTINGS)
+    m.entry("a")
+    m.entry("b")
+    with pytest.raises(CapacityError, match="not enough cache memory"):
+        m.entry("c")
+    with pytest.raises(CapacityError, match="choose a smaller budget"):
+        m.check_room("a", SETTINGS.changed(budget=480), new=False)
+    m.check_room("a", SETTINGS.changed(budget=24, window=4), new=False)
+
+
+def test_a_conversation_moves_to_the_tab_that_opens_it(manager):
+    a = manager.entry("a")
+    _chat(a.session)
+    cid = a.session.conversation_id
+    b = manager.open("b", cid)
+    assert manager.holder(cid) == "b" and "a" in manager.moved and manager.get("a") is None
+    assert b.session.restored_from == "snapshot"  # a's cache was saved when the conversation left it
+    assert b.session.kept_positions().tolist() == a.session.kept_positions().tolist()
+    b.busy = True
+    with pytest.raises(CapacityError, match="generating a reply in another tab"):
+        manager.open("a", cid)
+
+
+def test_charts_follow_the_stored_turns_and_mark_settings_changes(manager):
+    entry = manager.entry("a")
+    s = entry.session
+    _chat(s)
+    s.configure(policy="h2o", budget=32)
+    fig = charts(s, manager.store, {1: 100.0}, manager.per_position_bytes())
+    traces = {t.name: t for t in fig.data}
+    stats = [r for r in manager.store.turn_stats(s.conversation_id) if r["role"] != "system"]
+    assert list(traces["cache"].y) == [r["cache_tokens"] for r in stats]
+    assert set(traces["budget"].y) == {48}
+    assert list(traces["now"].y) == [s.cache.mean_length] and s.cache.mean_length <= 32
+    labels = [a.text for a in fig.layout.annotations]
+    assert any("policy h2o" in t and "budget 32" in t for t in labels)
+    assert sum(traces["evicted"].y) == sum(r["evicted_tokens"] for r in stats) > 0
+
+
+def test_cache_view_greys_exactly_what_no_head_holds(manager):
+    s = manager.entry("a").session
+    _chat(s, turns=6)
+    html = cache_view(s)
+    seen = int(re.search(r"still sees <b>([\d,]+)</b>", html).group(1).replace(",", ""))
+    assert seen == s.kept_positions().numel() < s.total_tokens
+    assert "kv-evicted" in html and "&lt;script&gt;" not in html
+    s.exchange("<script>alert(1)</script>", "ok")
+    assert "<script>alert" not in cache_view(s) and "&lt;script&gt;" in cache_view(s)
+
+
+def test_chat_messages_carry_token_counts(manager):
+    s = manager.entry("a").session
+    s.exchange("Hello there.", "Hi!")
+    msgs = chat_messages(s)
+    assert [m["role"] for m in msgs] == ["user", "assistant"]
+    user_tokens = int(re.search(r"<sub>(\d+) tokens</sub>", msgs[0]["content"]).group(1))
+    assert user_tokens == (s.log.column("message") == 1).sum().item()
+
+
+def test_head_map_and_layer_budgets_for_headaware(tiny, tmp_path):
+    m = SessionManager(tiny("llama"), Store(tmp_path / "kv.db"),
+                       Settings(policy="headaware", budget=32, window=8, slack=4), GREEDY)
+    s = m.entry("a").session
+    assert head_map(s) is None
+    _chat(s, turns=6)
+    fig = head_map(s)
+    layers = s.policy.report()["head_classes"]
+    assert fig is not None and len(fig.data[0].z) == len(layers)
+    held, allocated = layer_lengths(s)
+    assert allocated is not None and len(held) == len(allocated) == s.cm.num_layers
