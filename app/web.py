@@ -164,6 +164,7 @@ class WebApp:
                     chart = self._charts(entry, live)
                 yield [chat_messages(s, streaming=answer), gr.skip(), chart] + [gr.skip()] * 5
         finally:
+            gen.close()  # if the browser went away mid-reply: the partial reply is kept and the turn closed
             entry.busy = False
         res = s.history[-1]
         entry.rss_mb[res.turn] = rss_mb()

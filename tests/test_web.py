@@ -295,6 +295,20 @@ def test_each_browser_context_gets_its_own_session(browser, server):
         assert b.locator("#kv-chat strong", has_text="kiwis").count() >= 1
         assert b.evaluate("() => window.__pwned") is None
         _shot(b, "06-second-session")
+
+        # Stop ends a long reply early and keeps what was generated.
+        _set_number(b, "kv-max-new", "400")
+        assert "up to 400 new tokens" in _status(b)
+        before = _state(b)
+        b.fill("#kv-input textarea", "Write a very long essay about the history of tea, with many details.")
+        b.click("#kv-send")
+        b.wait_for_function("() => [...document.querySelectorAll('#kv-chat .bot.message')].some("
+                            "e => e.innerText.trim().endsWith('▌') && e.innerText.length > 20)")
+        b.click("#kv-stop")
+        _wait_done(b, before)
+        assert "stopped by cancelled" in _status(b)
+        tokens = int(re.search(r"reply: (\d+) tokens", _status(b)).group(1))
+        assert 0 < tokens < 400
     finally:
         ctx_a.close()
         ctx_b.close()
@@ -310,7 +324,18 @@ def test_a_full_server_says_so(browser, default_dir, tmp_path):
         b.wait_for_function(f"() => {STATUS_JS}.includes('full')", timeout=60000)
         assert "1" in _status(b) and "chat sessions are open" in _status(b)
         _shot(b, "07-server-full")
+        # Closing the first tab frees its session: a new tab then gets one.
         ctx_a.close()
+        deadline = time.time() + 60
+        while True:
+            c = ctx_b.new_page()
+            c.goto(srv.url)
+            c.wait_for_function(f"() => {INFO_JS}.includes('session') || {STATUS_JS}.includes('full')")
+            if "session" in _info(c):
+                break
+            assert time.time() < deadline, "the closed tab's session was not released"
+            c.close()
+            time.sleep(2)
         ctx_b.close()
     finally:
         srv.stop()
