@@ -1,0 +1,138 @@
+"""``kvchat bench NAME``: run a benchmark, write its JSON, plots and the regenerated docs/RESULTS.md.
+
+Names: ppl, recall, speed, memory, headaware, kvpress, ``all`` (each in turn, one model load) and ``report``
+(regenerate RESULTS.md and plots from the JSON present). ``--quick`` runs CI's small sizes and asserts only the
+sanity checks; a failed sanity check ends the command with status 1 and a one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from pathlib import Path
+
+from ..policies import POLICIES
+
+ORDER = ("ppl", "recall", "speed", "memory", "headaware", "kvpress")
+EXIT_SANITY = 1
+
+
+def _module(name: str):
+    return importlib.import_module(f"{__package__}.{name}")
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="CI sizes: a few minutes in all, sanity checks asserted")
+    p.add_argument("--out", default="docs", help="output folder: results/*.json, plots/*.png, RESULTS.md")
+    p.add_argument("--json", action="store_true", help="also print the result JSON on stdout (one line per bench)")
+    p.add_argument("--model", default="default", help="Hugging Face id, local directory or .gguf file")
+
+
+def add_parser(sub) -> None:
+    """Add the ``bench`` subcommand to kvchat's subparsers."""
+    bench = sub.add_parser("bench", help="measure quality, speed and memory of every policy (JSON, plots, report)",
+                           description="Run a benchmark; write its JSON, plots and the regenerated RESULTS.md.")
+    names = bench.add_subparsers(dest="bench", required=True, metavar="NAME")
+    for name in ORDER:
+        mod = _module(name)
+        p = names.add_parser(name, help=mod.TITLE, description=mod.__doc__.strip().splitlines()[0])
+        _common(p)
+        mod.add_arguments(p)
+    _common(names.add_parser("all", help="every benchmark in turn (one model load), then the report"))
+    p = names.add_parser("report", help="regenerate RESULTS.md and the plots from the JSON present")
+    p.add_argument("--out", default="docs")
+
+
+def _defaults(mod) -> dict:
+    p = argparse.ArgumentParser()
+    mod.add_arguments(p)
+    return vars(p.parse_args([]))
+
+
+def _resolve(mod, args) -> argparse.Namespace:
+    """The module's options: its defaults, quick sizes where left at the default, then validated."""
+    defaults = _defaults(mod)
+    ns = argparse.Namespace(**{**defaults, **{k: getattr(args, k) for k in defaults if hasattr(args, k)}})
+    for k in ("quick", "out", "json", "model"):
+        setattr(ns, k, getattr(args, k))
+    if args.quick:
+        for k, v in mod.QUICK.items():
+            if getattr(ns, k) == defaults[k]:
+                setattr(ns, k, v)
+    _validate(ns)
+    return ns
+
+
+def _validate(ns) -> None:
+    for name in ("policies", "long_policies"):
+        for p in getattr(ns, name, None) or []:
+            if p not in POLICIES:
+                raise ValueError(f"unknown policy {p!r}; choose from {', '.join(POLICIES)}")
+            if not POLICIES[p].bounded:
+                raise ValueError(f"--{name.replace('_', '-')}: {p} is not a bounded policy (the full cache is "
+                                 "always measured as the reference)")
+    for name, value in vars(ns).items():
+        values = value if isinstance(value, list) else [value]
+        if name in ("budgets", "budget", "tokens", "grid_tokens", "ablation_tokens", "chunk", "group_budget",
+                    "long_budget", "lengths", "steps", "prompt", "cases", "turns", "prefix", "cont",
+                    "decode_budget", "decode_tokens", "interval", "recall_budget", "windows", "sink_window",
+                    "max_new_tokens", "recompute_steps") and any(not isinstance(v, int) or v < 1 for v in values):
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+        if name in ("sinks", "margin", "recompute_lengths") and any(v < 0 for v in values):
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+    if getattr(ns, "budgets", None) == []:
+        raise ValueError("--budgets needs at least one budget")
+
+
+def command_line(name: str, args, ns=None, mod=None) -> str:
+    """The command that reproduces this run: the bench, --quick, and every option not at its default."""
+    parts = ["kvchat", "bench", name] + (["--quick"] if args.quick else [])
+    if args.model != "default":
+        parts += ["--model", args.model]
+    if ns is not None and name != "all":
+        for k, default in _defaults(mod).items():
+            value = getattr(ns, k)
+            if value != default and not (args.quick and value == mod.QUICK.get(k)):
+                flag = "--" + k.replace("_", "-")
+                parts += [flag] + ([str(v) for v in value] if isinstance(value, list) else [str(value)])
+    if args.out != "docs":
+        parts += ["--out", str(args.out)]
+    return " ".join(parts)
+
+
+def run(args) -> int:
+    from . import report
+    from .common import Run, SanityError, load_model, log
+
+    out = Path(args.out)
+    modules = [_module(n) for n in ORDER]
+    if args.bench == "report":
+        if not (out / "results").is_dir():
+            raise ValueError(f"no results under {out}/results; run a bench first")
+        print(report.write(out, modules))
+        return 0
+    chosen = modules if args.bench == "all" else [_module(args.bench)]
+    plans = [(mod, _resolve(mod, args)) for mod in chosen]  # every option checked before the model loads
+    cm = load_model(args.model)
+    failed = []
+    for mod, ns in plans:
+        config = {k: v for k, v in vars(ns).items() if k not in ("json", "out")}
+        bench = Run(mod.NAME, args.quick, config, model=cm.name, command=command_line(args.bench, args, ns, mod))
+        log(f"== bench {mod.NAME}{' (quick)' if args.quick else ''}")
+        try:
+            mod.run(ns, bench, cm)
+        except SanityError as exc:
+            bench.check("completed", False, str(exc))
+        res, path = bench.write(out)
+        log(f"== {mod.NAME}: {res['wall_s']:.0f} s -> {path}")
+        if args.json:
+            print(json.dumps(res), flush=True)
+        failed += [f"{mod.NAME}: {f}" for f in bench.failed()]
+        report.write(out, modules)
+    log(f"report: {out / 'RESULTS.md'}")
+    if failed:
+        print(f"kvchat: error: sanity check failed: {'; '.join(failed)}", file=sys.stderr)
+        return EXIT_SANITY
+    return 0

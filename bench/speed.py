@@ -1,0 +1,264 @@
+"""Speed: decode ms/token and prefill ms per turn against the length of the conversation, for every policy.
+
+The history (PG19 stand-in text, fed with ``feed_raw(score=False)``) is built once under ``streaming`` at
+``--budget``; at each length in ``--lengths`` every bounded policy is switched in live (kvchat's own settings
+switch: the cache keeps its size, the policy takes over from there) and answers a user turn of ``--prompt``
+tokens with ``--steps`` decoded tokens (stop tokens disabled); the turn is then undone so every policy sees the same
+history. The full cache gets its own session (up to the model's max positions). Timers around the compression and
+the attention observer give the policy bookkeeping as a share of the decode time. The StreamingLLM paper's
+baseline, sliding window with recomputation, re-encodes the last ``--budget`` tokens from scratch for each
+generated token. The roofline ratio compares a measured decode step with (weight bytes + kept KV bytes) / the
+memory bandwidth, which the bench measures itself (a large tensor copy). A bare transformers loop (DynamicCache,
+SDPA) at the same history, where it fits the model's positions, shows the engine's own overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from ..core.session import Sampling, Session
+from ..core.settings import Settings
+from ..policies import POLICIES
+from .common import Run, data_dir, log, read_text
+
+NAME = "speed"
+TITLE = "Speed"
+BOUNDED = [p for p, cls in POLICIES.items() if cls.bounded]
+QUICK = {"lengths": [300, 900], "budget": 256, "steps": 6, "prompt": 64, "policies": ["streaming", "h2o"],
+         "recompute_lengths": 1, "recompute_steps": 2}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lengths", type=int, nargs="+", default=[1000, 5000, 10000, 20000],
+                   help="conversation lengths (tokens of history) at which to measure")
+    p.add_argument("--budget", type=int, default=1024)
+    p.add_argument("--policies", nargs="+", default=BOUNDED)
+    p.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
+    p.add_argument("--prompt", type=int, default=256, help="tokens of the user turn whose prefill is timed")
+    p.add_argument("--recompute-lengths", type=int, default=2, help="how many of --lengths get the recompute baseline")
+    p.add_argument("--recompute-steps", type=int, default=3)
+    p.add_argument("--data", default=None, help="the shared data directory (default ../shared/data)")
+
+
+def bandwidth_gbs(mb: int = 256, repeats: int = 5) -> float:
+    """Memory bandwidth from the best of ``repeats`` copies of a ``mb`` MB tensor (bytes read + written)."""
+    src = torch.ones(mb * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def timed_turn(session: Session, prompt: str, steps: int) -> dict:
+    """One user turn with exactly ``steps`` decoded tokens: prefill ms, decode ms/token, bookkeeping share."""
+    spent = {"s": 0.0}
+
+    def timed(fn):
+        def wrapped(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent["s"] += time.perf_counter() - t
+        return wrapped
+
+    session._compress = timed(session._compress)
+    obs = session.observer
+    if obs is not None:
+        obs._accumulate, obs._remember = timed(obs._accumulate), timed(obs._remember)
+    cm = session.cm
+    stop_ids, cm.stop_ids = cm.stop_ids, frozenset()
+    try:
+        gen = session.reply(prompt, max_new_tokens=steps + 1, temperature=0.0)
+        started = False
+        for _ in gen:
+            if not started:  # the prompt's prefill (and its compressions) is over
+                spent["s"], started = 0.0, True
+        res = session.history[-1]
+    finally:
+        cm.stop_ids = stop_ids
+        del session._compress
+        if obs is not None:
+            del obs._accumulate, obs._remember
+    decode_s = res.decode_ms_per_token * (res.new_tokens - 1) / 1000
+    return {"prefill_ms": res.prefill_ms, "prompt_tokens": res.prompt_tokens,
+            "decode_ms_per_token": res.decode_ms_per_token, "bookkeeping": spent["s"] / decode_s,
+            "cache_tokens": session.cache_tokens, "kv_bytes": sum(layer.kv_bytes for layer in session.cache.layers)}
+
+
+def transformers_ms(cm, ids: list[int], steps: int) -> float:
+    """A bare transformers loop for reference: ``ids`` prefilled into a DynamicCache (SDPA), then greedy decode
+    steps; mean ms per step."""
+    from transformers import DynamicCache
+
+    model = cm.model
+    model.set_attn_implementation("sdpa")
+    times = []
+    try:
+        with torch.no_grad():
+            cache = DynamicCache(config=model.config)
+            out = model(input_ids=torch.tensor([ids]).to(cm.device), past_key_values=cache, use_cache=True,
+                        logits_to_keep=1)
+            token = out.logits[:, -1:].argmax(-1)
+            for _ in range(steps):
+                t = time.perf_counter()
+                out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                token = out.logits[:, -1:].argmax(-1)
+                times.append(time.perf_counter() - t)
+    finally:
+        model.set_attn_implementation("kvchat")
+    return 1000 * statistics.mean(times)
+
+
+def recompute_ms(cm, ids: list[int], window: int, steps: int) -> float:
+    """Sliding window with recomputation: each generated token re-encodes the last ``window`` tokens."""
+    model = cm.model
+    model.set_attn_implementation("sdpa")
+    times = []
+    try:
+        with torch.no_grad():
+            for s in range(steps):
+                x = torch.tensor(ids[len(ids) - window + s: len(ids) + s])[None].to(cm.device)
+                t = time.perf_counter()
+                model(input_ids=x, use_cache=False, logits_to_keep=1)
+                times.append(time.perf_counter() - t)
+    finally:
+        model.set_attn_implementation("kvchat")
+    return 1000 * statistics.median(times)
+
+
+def run(args, run: Run, cm) -> None:
+    text = cm.tokenizer(read_text(data_dir(args.data), "pg19"), add_special_tokens=False)["input_ids"]
+    if max(args.lengths) + args.prompt + args.steps > len(text):
+        raise ValueError(f"the text holds {len(text)} tokens, too few for length {max(args.lengths)}")
+    prompt = cm.tokenizer.decode(text[-args.prompt - 2000: -2000])
+    bw = bandwidth_gbs()
+    weights = sum(p.numel() * p.element_size() for p in cm.model.parameters())
+    rows: list[dict] = []
+    run.rows = {"rows": rows, "bandwidth_gbs": bw, "weight_bytes": weights, "max_positions": cm.max_positions}
+    log(f"speed: memory bandwidth {bw:.1f} GB/s, weights {weights / 2**20:.0f} MiB")
+
+    def record(policy: str, length: int, m: dict) -> None:
+        roofline_ms = 1000 * (weights + m["kv_bytes"]) / (bw * 1e9)
+        row = {"policy": policy, "length": length, **m, "roofline_ms": roofline_ms,
+               "roofline_ratio": m["decode_ms_per_token"] / roofline_ms}
+        rows.append(row)
+        log(f"speed {policy:10s} history {length:6d}: decode {m['decode_ms_per_token']:6.1f} ms/token "
+            f"(bookkeeping {100 * m['bookkeeping']:4.1f}%, roofline x{row['roofline_ratio']:.1f}), prefill "
+            f"{m['prefill_ms']:7.0f} ms / {m['prompt_tokens']} tokens, cache {m['cache_tokens']}")
+
+    def grow(session: Session, target: int) -> None:
+        while session.total_tokens < target:
+            n = min(1024, target - session.total_tokens)
+            session.feed_raw(text[session.total_tokens: session.total_tokens + n], score=False)
+
+    base = Settings(policy="streaming", budget=args.budget)
+    session = Session(cm, base, system=None, sampling=Sampling(temperature=0.0), undo=True)
+    grow(session, min(args.lengths))
+    timed_turn(session, prompt, args.steps)  # warm-up (first-call costs), not recorded
+    session.undo()
+    for length in sorted(args.lengths):
+        grow(session, length)
+        for p in args.policies:
+            session.configure(policy=p)
+            record(p, length, timed_turn(session, prompt, args.steps))
+            session.undo()
+            session.configure(policy="streaming")
+    del session
+    full = Session(cm, Settings(policy="full"), system=None, sampling=Sampling(temperature=0.0), undo=True)
+    for length in sorted(args.lengths):
+        if length + args.prompt + args.steps + 16 > cm.max_positions:
+            break
+        grow(full, length)
+        record("full", length, timed_turn(full, prompt, args.steps))
+        full.undo()
+    del full
+    for length in sorted(args.lengths):
+        if length + args.steps > cm.max_positions:
+            break
+        ms = transformers_ms(cm, text[:length], args.steps)
+        rows.append({"policy": "transformers", "length": length, "decode_ms_per_token": ms})
+        log(f"speed transformers history {length:6d}: {ms:.1f} ms/token (DynamicCache, SDPA, no compression)")
+    for length in sorted(args.lengths)[: args.recompute_lengths]:
+        ms = recompute_ms(cm, text[:length], min(args.budget, length), args.recompute_steps)
+        rows.append({"policy": "recompute", "length": length, "decode_ms_per_token": ms, "window": args.budget})
+        log(f"speed recompute  history {length:6d}: {ms:.0f} ms/token (re-encoding {args.budget} tokens)")
+
+    for p in args.policies:
+        ms = [r["decode_ms_per_token"] for r in rows if r["policy"] == p]
+        run.check(f"{p} decode flat", max(ms) < 2 * min(ms),
+                  f"decode ms/token {min(ms):.1f}-{max(ms):.1f} across histories {min(args.lengths)}-"
+                  f"{max(args.lengths)}")
+    rec = [r["decode_ms_per_token"] for r in rows if r["policy"] == "recompute"]
+    stream = [r["decode_ms_per_token"] for r in rows if r["policy"] == "streaming"]
+    if rec and stream:
+        run.check("cached decode beats recomputation", max(stream) < min(rec),
+                  f"streaming {max(stream):.1f} ms/token vs recompute {min(rec):.0f} ms/token")
+
+
+def plot(result: dict, plots, plt) -> list:
+    rows = result["results"]["rows"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for p in dict.fromkeys(r["policy"] for r in rows if r["policy"] != "recompute"):
+        rs = sorted((r for r in rows if r["policy"] == p), key=lambda r: r["length"])
+        style = {"color": "black", "ls": "--"} if p == "full" else {"color": "grey", "ls": ":"} if p == "transformers" else {}
+        axes[0].plot([r["length"] for r in rs], [r["decode_ms_per_token"] for r in rs], marker="o", label=p, **style)
+        if p == "transformers":
+            continue
+        axes[1].plot([r["length"] for r in rs], [r["prefill_ms"] for r in rs], marker="o", label=p, **style)
+    rec = [r for r in rows if r["policy"] == "recompute"]
+    if rec:
+        axes[0].plot([r["length"] for r in rec], [r["decode_ms_per_token"] for r in rec], marker="x", color="red",
+                     label=f"window + recomputation ({rec[0]['window']})")
+        axes[0].set_yscale("log")
+    axes[0].set_xlabel("tokens of history")
+    axes[0].set_ylabel("decode ms/token")
+    axes[1].set_xlabel("tokens of history")
+    axes[1].set_ylabel("prefill ms of the user turn")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Decode and prefill cost, budget {result['config']['budget']}")
+    fig.tight_layout()
+    path = plots / "speed.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def markdown(result: dict) -> str:
+    res, cfg = result["results"], result["config"]
+    rows = res["rows"]
+    lengths = sorted({r["length"] for r in rows if r["policy"] not in ("recompute", "transformers")})
+    lines = [f"Budget {cfg['budget']}, {cfg['steps']} decoded tokens per measurement, a {cfg['prompt']}-token user "
+             f"turn; memory bandwidth measured {res['bandwidth_gbs']:.1f} GB/s, weights "
+             f"{res['weight_bytes'] / 2**20:.0f} MiB (fp32). Roofline = (weight bytes + kept KV bytes) / bandwidth.",
+             "", "| policy | " + " | ".join(f"decode ms/token @ {n}" for n in lengths)
+             + " | prefill ms @ " + " | prefill ms @ ".join(map(str, lengths))
+             + " | bookkeeping | roofline ms | measured / roofline |", "| --- " * (2 * len(lengths) + 4) + "|"]
+    for p in dict.fromkeys(r["policy"] for r in rows if r["policy"] not in ("recompute", "transformers")):
+        cells = {r["length"]: r for r in rows if r["policy"] == p}
+        last = cells[max(cells)]
+        dec = " | ".join(f"{cells[n]['decode_ms_per_token']:.1f}" if n in cells else "–" for n in lengths)
+        pre = " | ".join(f"{cells[n]['prefill_ms']:.0f}" if n in cells else "–" for n in lengths)
+        book = statistics.mean(r["bookkeeping"] for r in cells.values())
+        lines.append(f"| {p} | {dec} | {pre} | {100 * book:.1f}% | {last['roofline_ms']:.1f} | "
+                     f"{last['roofline_ratio']:.1f} |")
+    bare = [r for r in rows if r["policy"] == "transformers"]
+    if bare:
+        lines += ["", "A bare transformers loop (DynamicCache, SDPA, no compression) at the same history, for the "
+                  "engine's own overhead: " + ", ".join(f"{r['decode_ms_per_token']:.1f} ms/token at {r['length']}"
+                                                         for r in bare) + "."]
+    rec = [r for r in rows if r["policy"] == "recompute"]
+    if rec:
+        lines += ["", "Sliding window with recomputation (re-encoding the last "
+                  f"{rec[0]['window']} tokens per generated token): "
+                  + ", ".join(f"{r['decode_ms_per_token']:.0f} ms/token at {r['length']}" for r in rec) + "."]
+    if any(n + 300 > res["max_positions"] for n in lengths):
+        lines += ["", f"`full` stops at the model's {res['max_positions']} positions, so it has no cells beyond."]
+    return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""``kvchat bench``: bad input is refused before any model loads; every quick bench writes its JSON, plots and
+report section with its sanity checks held (on the real default model)."""
+
+import json
+
+import pytest
+
+from kvchat.app.cli import main
+from kvchat.bench import cli as bench_cli
+
+from conftest import SHARED
+
+
+def _exit_code(argv):
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse's own usage errors
+        return exc.code
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["bench", "nosuch"], "invalid choice"),
+    (["bench", "ppl", "--budgets", "0"], "--budgets must be positive"),
+    (["bench", "ppl", "--budgets", "x"], "invalid int value"),
+    (["bench", "recall", "--policies", "bogus"], "unknown policy 'bogus'"),
+    (["bench", "recall", "--policies", "full"], "full is not a bounded policy"),
+    (["bench", "speed", "--lengths", "-5"], "--lengths must be positive"),
+    (["bench", "ppl", "--sinks", "-1"], "--sinks must be >= 0"),
+])
+def test_bad_input_exits_2_before_loading(argv, needle, capsys, monkeypatch):
+    monkeypatch.setattr("kvchat.bench.common.load_model", lambda spec: pytest.fail("the model must not load"))
+    assert _exit_code(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err
+    assert "kvchat: error: " in err or ": error: argument" in err or "kvchat bench: error: " in err
+
+
+def test_report_without_results_is_an_error(tmp_path, capsys):
+    assert main(["bench", "report", "--out", str(tmp_path)]) == 2
+    assert "no results under" in capsys.readouterr().err
+
+
+def test_quick_sizes_apply_only_where_left_at_default():
+    import argparse
+
+    from kvchat.bench import ppl
+
+    args = argparse.Namespace(quick=True, out="x", json=False, model="default", tokens=777,
+                              **{k: v for k, v in bench_cli._defaults(ppl).items() if k != "tokens"})
+    ns = bench_cli._resolve(ppl, args)
+    assert ns.tokens == 777  # set by the user
+    assert ns.grid_tokens == ppl.QUICK["grid_tokens"] and ns.budgets == ppl.QUICK["budgets"]
+
+
+def test_slope_and_segment_ppl():
+    from kvchat.bench.memory import slope_per_1000
+    from kvchat.bench.ppl import SEGMENT, ppl_between
+
+    assert slope_per_1000([0, 1, 2, 3], [5, 5, 5, 5]) == 0
+    assert slope_per_1000([0, 1000, 2000], [1.0, 2.0, 3.0]) == pytest.approx(1.0)
+    row = {"segments": [0.0] * 4 + [1.0] * 4}
+    assert ppl_between(row, 4 * SEGMENT) == pytest.approx(2.718281828)
+    assert ppl_between(row, 0, 4 * SEGMENT) == pytest.approx(1.0)
+
+
+@pytest.mark.model
+@pytest.mark.slow
+def test_quick_benches_write_json_plots_and_report(default_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("KVCHAT_DATA", str(SHARED))
+    code = main(["bench", "all", "--quick", "--json", "--out", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-2000:]
+    printed = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert [r["bench"] for r in printed] == list(bench_cli.ORDER)
+    for name in bench_cli.ORDER:
+        res = json.loads((tmp_path / "results" / f"{name}.json").read_text())
+        assert res["quick"] and res["machine"]["cpu_count"] and res["wall_s"] > 0 and res["model"]
+        assert res["command"].startswith("kvchat bench all --quick")
+        assert res["sanity"] and all(c["ok"] for c in res["sanity"]), res["sanity"]
+    plots = {p.name for p in (tmp_path / "plots").glob("*.png")}
+    assert {"ppl_long.png", "ppl_budgets.png", "ppl_ablations.png", "recall.png", "speed.png", "memory.png",
+            "headaware_classes.png"} <= plots
+    md = (tmp_path / "RESULTS.md").read_text()
+    for mod in map(bench_cli._module, bench_cli.ORDER):
+        assert f"## {mod.TITLE}" in md
+    assert "sink 0 worse than sink 4" in md and "kvpress side not run" in md
+    ppl = json.loads((tmp_path / "results" / "ppl.json").read_text())["results"]["runs"]
+    assert all(r["max_cache"] <= r["bound"] for r in ppl if r["bound"])
