@@ -126,6 +126,7 @@ class SessionManager:
         """The tab closed: save the cache of its conversation (exact restore later) and free it."""
         with self._lock:
             self._drop(key)
+            self.moved.discard(key)
 
     def _drop(self, key: str) -> None:
         entry = self.entries.pop(key, None)
