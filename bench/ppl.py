@@ -11,7 +11,7 @@ Runs (each one Session fed ``--chunk`` tokens at a time with ``feed_raw``; the f
   text at ``--long-budget`` only), the full cache as reference;
 * groups: every policy in each of ``--groups`` at ``--group-budget``;
 * ablations (StreamingLLM): window in ``--windows`` at sink 4 (budget = sink + window), sink in ``--sinks`` at
-  window 1020, over ``--ablation-tokens``.
+  window 1020, over ``--ablation-tokens`` and ``--sink-tokens``.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ BOUNDED = [p for p, cls in POLICIES.items() if cls.bounded]
 SEGMENT = 250  # tokens per stored NLL segment
 QUICK = {"tokens": 800, "grid_tokens": 600, "ablation_tokens": 1000, "texts": ["pg19"], "budgets": [256],
          "policies": ["streaming", "h2o"], "long_policies": ["streaming"], "long_budget": 256, "groups": [],
-         "windows": [64, 256], "sinks": [0, 4], "sink_window": 124}
+         "windows": [64, 256], "sinks": [0, 4], "sink_window": 124, "sink_tokens": 1000}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=20000, help="tokens of the long run (past the model's positions)")
-    p.add_argument("--grid-tokens", type=int, default=3000, help="tokens of each policy x budget run")
+    p.add_argument("--grid-tokens", type=int, default=2500, help="tokens of each policy x budget run")
     p.add_argument("--ablation-tokens", type=int, default=5000, help="tokens of each ablation run")
     p.add_argument("--chunk", type=int, default=64, help="tokens fed per step")
     p.add_argument("--texts", nargs="+", default=["pg19", "wikitext"], choices=["pg19", "wikitext"])
@@ -52,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--windows", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096])
     p.add_argument("--sinks", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16])
     p.add_argument("--sink-window", type=int, default=1020, help="window of the sink ablation")
+    p.add_argument("--sink-tokens", type=int, default=2500, help="tokens of each sink ablation run")
     p.add_argument("--data", default=None, help="the shared data directory (default ../shared/data)")
 
 
@@ -130,7 +131,7 @@ def run(args, run: Run, cm) -> None:
     # StreamingLLM ablations
     win = {w: one("window", "pg19", args.ablation_tokens, Settings(policy="streaming", budget=4 + w, sink=4,
                                                                      window=w)) for w in args.windows}
-    sinks = {s: one("sink", "pg19", args.ablation_tokens,
+    sinks = {s: one("sink", "pg19", args.sink_tokens,
                     Settings(policy="streaming", budget=s + args.sink_window, sink=s, window=args.sink_window))
              for s in args.sinks}
 
@@ -144,9 +145,9 @@ def run(args, run: Run, cm) -> None:
         run.check("window moves PPL", lo["ppl"] > 1.01 * hi["ppl"] and lo["first_evict"] is not None,
                   f"window {ws[0]}: PPL {lo['ppl']:.3f}, window {ws[-1]}: PPL {hi['ppl']:.3f}")
     if 0 in sinks and 4 in sinks:
-        start = sinks[0]["first_evict"] or args.ablation_tokens
-        if start >= args.ablation_tokens:
-            raise SanityError("the sink ablation never slid its window; raise --ablation-tokens")
+        start = sinks[0]["first_evict"] or args.sink_tokens
+        if start >= args.sink_tokens:
+            raise SanityError("the sink ablation never slid its window; raise --sink-tokens")
         p0, p4 = ppl_between(sinks[0], start), ppl_between(sinks[4], start)
         run.check("sink 0 worse than sink 4", p0 > p4,
                   f"after the window slid (token {start}+): sink 0 PPL {p0:.3f}, sink 4 PPL {p4:.3f}")
