@@ -88,7 +88,7 @@ def server(default_dir, tmp_path_factory):
 def _open(browser, url):
     context = browser.new_context(viewport={"width": 1500, "height": 1100}, accept_downloads=True)
     page = context.new_page()
-    page.set_default_timeout(60000)
+    page.set_default_timeout(120000)
     page.goto(url)
     page.wait_for_function(f"() => {INFO_JS}.includes('session')")
     return context, page
