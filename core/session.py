@@ -283,11 +283,9 @@ class Session:
             if current != self.settings:
                 self._apply_settings(current)
             if self.store is not None and self.conversation_id is not None:
-                if cp["conversation_id"] is None:  # the undone turn created the conversation
+                if cp["conversation_id"] is None:  # the undone turn created the conversation: it goes
                     self.store.delete(self.conversation_id)
                     self.conversation_id = None
-                    self._pending_settings.append({"turn": self.turn, "changes": current.as_dict(),
-                                                   "settings": current.as_dict(), "created_at": now_iso()})
                 else:
                     self.store.truncate(self.conversation_id, self.turn, self._conversation_row())
             return removed
@@ -310,13 +308,6 @@ class Session:
             "title": self.title, "conversation_id": self.conversation_id,
             "generator": self.generator.get_state(),
         }
-
-    @property
-    def undo_bytes(self) -> int:
-        """Memory held by the undo copy of the cache."""
-        if self._undo is None:
-            return 0
-        return sum(t.numel() * t.element_size() for part in ("cache", "observer") for t in self._undo[part].values())
 
     @_locked
     def add(self, role: str, text: str) -> TurnResult:
@@ -598,12 +589,12 @@ class Session:
     def _rebuild(self, positions: torch.Tensor) -> None:
         """Prefill the tokens at ``positions`` (absolute, ascending) into an empty cache."""
         tokens = self.log.column("token")[positions].long()
-        i = 0
+        evicted, i = self.evicted_total, 0
         while i < positions.numel():  # per-head policies keep a union of positions that may pass the budget
             c = self._make_room(positions.numel() - i)
             self._forward(tokens[i: i + c], positions[i: i + c])
             i += c
-        self._events = []
+        self._events, self.evicted_total = [], evicted  # a rebuild's own compressions are not the chat's
 
     # ------------------------------------------------------------------------------------------------------------
     # Turns

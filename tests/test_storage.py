@@ -151,3 +151,17 @@ def test_rename_and_delete(tiny, tmp_path):
     assert not (tmp_path / snap).exists()
     with pytest.raises(ValueError, match="no conversation"):
         store.conversation(cid)
+
+
+def test_rebuild_of_a_per_head_policy_stays_within_its_budget(tiny, tmp_path):
+    # h2o keeps different positions per head: their union can pass the budget, so the rebuild compresses again.
+    store = Store(tmp_path / "kv.db")
+    settings = Settings(policy="h2o", budget=40, window=8, slack=6)
+    session = Session(tiny("llama"), settings, store=store, sampling=GREEDY)
+    _chat(session)
+    assert session.kept_positions().numel() > settings.capacity
+    resumed = Session.resume(tiny("llama"), store, session.conversation_id, use_snapshot=False, sampling=GREEDY)
+    assert resumed.restored_from == "tokens"
+    assert resumed.cache.length <= settings.capacity
+    assert resumed.evicted_total == session.evicted_total
+    resumed.chat("Still there?")
