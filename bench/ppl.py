@@ -57,23 +57,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def stream(cm, ids: list[int], settings: Settings, chunk: int, inspect=None) -> dict:
-    """Feed ``ids`` in chunks; per-segment mean NLL, the largest cache seen and where eviction began
-    (plus ``inspect(session)``'s entries at the end)."""
+    """Feed ``ids`` in chunks; per-segment mean NLL, the largest cache seen (positions per layer and head,
+    averaged: per-layer and per-head budgets let single layers hold more) and where eviction began (plus
+    ``inspect(session)``'s entries at the end)."""
     session = Session(cm, settings, system=None)
     nll = torch.full((len(ids),), float("nan"))
-    peak, first_evict, t0 = 0, None, time.perf_counter()
+    peak, fullest, first_evict, t0 = 0, 0, None, time.perf_counter()
     for i in range(0, len(ids), chunk):
         part = ids[i: i + chunk]
         lp, _ = session.feed_raw(part)
         nll[i: i + len(part)] = -lp
-        peak = max(peak, session.history[-1].peak_cache_tokens)
+        peak = max(peak, session.cache.mean_length)  # positions per layer and head, averaged
+        fullest = max(fullest, session.cache.length)
         if first_evict is None and session.evicted_total:
             first_evict = i + len(part)
     wall = time.perf_counter() - t0
     segs = [float(nll[a: a + SEGMENT].nanmean()) for a in range(0, len(ids), SEGMENT)]
     bound = settings.capacity if session.policy.bounded else None
     return {"tokens": len(ids), "ppl": math.exp(float(nll[1:].mean())), "segments": segs, "max_cache": peak,
-            "bound": bound, "first_evict": first_evict, "ms_per_token": 1000 * wall / len(ids),
+            "max_layer": fullest, "bound": bound, "first_evict": first_evict, "ms_per_token": 1000 * wall / len(ids),
             "cache_bytes": session.cache_bytes, **(inspect(session) if inspect else {})}
 
 
@@ -246,7 +248,7 @@ def markdown(result: dict) -> str:
         lines += ["", f"**Long text** ({n} tokens of the PG19 stand-in; the full cache is `streaming` with a budget "
                       "above the text and original positions, so it never evicts and goes past the model's "
                       f"{maxp} positions):", "",
-                  "| run | budget | max cache | " + " | ".join(f"PPL {a}-{b}" for a, b in spans) + " | PPL all | ms/token |",
+                  "| run | budget | max cache (mean per layer) | " + " | ".join(f"PPL {a}-{b}" for a, b in spans) + " | PPL all | ms/token |",
                   "| --- " * (len(spans) + 5) + "|"]
         for r in long:
             budget = "–" if r.get("label") else r["budget"]
