@@ -78,7 +78,7 @@ def _validate(ns) -> None:
         if name in ("budgets", "budget", "tokens", "grid_tokens", "ablation_tokens", "chunk", "group_budget",
                     "long_budget", "lengths", "steps", "prompt", "cases", "turns", "prefix", "cont",
                     "decode_budget", "decode_tokens", "interval", "recall_budget", "windows", "sink_window",
-                    "max_new_tokens", "recompute_steps", "sink_tokens") and any(not isinstance(v, int) or v < 1 for v in values):
+                    "max_new_tokens", "recompute_steps", "sink_tokens", "full_tokens") and any(not isinstance(v, int) or v < 1 for v in values):
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
         if name in ("sinks", "margin", "recompute_lengths") and any(v < 0 for v in values):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")

@@ -67,7 +67,8 @@ def rss_mb() -> float:
 def machine() -> dict:
     return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine()}
+            "processor": platform.processor() or platform.machine(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
 
 
 def ppl(nll: torch.Tensor) -> float:

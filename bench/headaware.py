@@ -27,10 +27,10 @@ UNIFORM = {"tau_local": 1.0, "tau_period": 1e9}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=3000, help="tokens of PG19 stand-in for the PPL comparison")
+    p.add_argument("--tokens", type=int, default=2500, help="tokens of PG19 stand-in for the PPL comparison")
     p.add_argument("--budget", type=int, default=512, help="budget of the PPL comparison")
     p.add_argument("--recall-budget", type=int, default=256)
-    p.add_argument("--cases", type=int, default=4, help="recall cases")
+    p.add_argument("--cases", type=int, default=3, help="recall cases")
     p.add_argument("--tau-local", type=float, default=0.4, help="the lowered local threshold")
     p.add_argument("--chunk", type=int, default=64)
     p.add_argument("--data", default=None, help="the shared data directory (default ../shared/data)")

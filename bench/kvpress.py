@@ -48,7 +48,7 @@ PAIRS = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budgets", type=int, nargs="+", default=[1024], help="one-shot budgets")
-    p.add_argument("--prefix", type=int, default=4096, help="one-shot prefix tokens")
+    p.add_argument("--prefix", type=int, default=2048, help="one-shot prefix tokens")
     p.add_argument("--cont", type=int, default=512, help="one-shot continuation tokens scored")
     p.add_argument("--decode-budget", type=int, default=512)
     p.add_argument("--decode-tokens", type=int, default=256)

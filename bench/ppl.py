@@ -31,7 +31,7 @@ NAME = "ppl"
 TITLE = "Long-text perplexity, streaming"
 BOUNDED = [p for p, cls in POLICIES.items() if cls.bounded]
 SEGMENT = 250  # tokens per stored NLL segment
-QUICK = {"tokens": 800, "grid_tokens": 600, "ablation_tokens": 1000, "texts": ["pg19"], "budgets": [256],
+QUICK = {"tokens": 800, "full_tokens": 800, "grid_tokens": 600, "ablation_tokens": 1000, "texts": ["pg19"], "budgets": [256],
          "policies": ["streaming", "h2o"], "long_policies": ["streaming"], "long_budget": 256, "groups": [],
          "windows": [64, 256], "sinks": [0, 4], "sink_window": 124, "sink_tokens": 1000}
 
@@ -39,7 +39,7 @@ QUICK = {"tokens": 800, "grid_tokens": 600, "ablation_tokens": 1000, "texts": ["
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=20000, help="tokens of the long run (past the model's positions)")
     p.add_argument("--grid-tokens", type=int, default=2500, help="tokens of each policy x budget run")
-    p.add_argument("--ablation-tokens", type=int, default=5000, help="tokens of each ablation run")
+    p.add_argument("--ablation-tokens", type=int, default=4000, help="tokens of each window ablation run")
     p.add_argument("--chunk", type=int, default=64, help="tokens fed per step")
     p.add_argument("--texts", nargs="+", default=["pg19", "wikitext"], choices=["pg19", "wikitext"])
     p.add_argument("--policies", nargs="+", default=BOUNDED, help="bounded policies of the grid")
@@ -47,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--groups", nargs="*", default=["sentence", "turn"], choices=["sentence", "turn"],
                    help="group modes run besides token groups (at --group-budget)")
     p.add_argument("--group-budget", type=int, default=512)
-    p.add_argument("--long-policies", nargs="+", default=["streaming", "window"])
+    p.add_argument("--full-tokens", type=int, default=12288,
+                   help="tokens of the full-cache reference in the long run (its attention grows with every token)")
+    p.add_argument("--long-policies", nargs="+", default=["streaming"])
     p.add_argument("--long-budget", type=int, default=1024)
     p.add_argument("--windows", type=int, nargs="+", default=[128, 256, 512, 1024, 2048, 4096])
     p.add_argument("--sinks", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16])
@@ -112,8 +114,9 @@ def run(args, run: Run, cm) -> None:
         return row
 
     # long run: past the model's positions
-    full_long = one("long", "pg19", args.tokens,
-                    Settings(policy="streaming", budget=args.tokens, positions="original"), label="full cache")
+    n_full = min(args.full_tokens, args.tokens)
+    full_long = one("long", "pg19", n_full,
+                    Settings(policy="streaming", budget=n_full, positions="original"), label="full cache")
     long_rows = {p: one("long", "pg19", args.tokens, Settings(policy=p, budget=args.long_budget))
                  for p in args.long_policies}
     original = one("long", "pg19", args.tokens,
@@ -153,10 +156,11 @@ def run(args, run: Run, cm) -> None:
         p0, p4 = ppl_between(sinks[0], start), ppl_between(sinks[4], start)
         run.check("sink 0 worse than sink 4", p0 > p4,
                   f"after the window slid (token {start}+): sink 0 PPL {p0:.3f}, sink 4 PPL {p4:.3f}")
-    if args.tokens > cm.max_positions + SEGMENT and "streaming" in long_rows:
-        a, b = ppl_between(full_long, cm.max_positions), ppl_between(long_rows["streaming"], cm.max_positions)
+    if n_full > cm.max_positions + SEGMENT and "streaming" in long_rows:
+        a = ppl_between(full_long, cm.max_positions, n_full)
+        b = ppl_between(long_rows["streaming"], cm.max_positions, n_full)
         run.check("full past max positions worse than streaming", a > b,
-                  f"tokens {cm.max_positions}-{args.tokens}: full cache PPL {a:.2f}, streaming PPL {b:.2f}")
+                  f"tokens {cm.max_positions}-{n_full}: full cache PPL {a:.2f}, streaming PPL {b:.2f}")
     del original
 
 
@@ -227,6 +231,10 @@ def plot(result: dict, plots, plt) -> list:
     return out
 
 
+def _fmt(v: float) -> str:
+    return "–" if math.isnan(v) else f"{v:.2f}"
+
+
 def _save(fig, path, plt):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -242,18 +250,18 @@ def markdown(result: dict) -> str:
              "token but the first; slack = max(64, budget/8), window = budget/4, sink 4 unless stated."]
     long = _rows(result, "long")
     if long:
-        n = long[0]["tokens"]
+        n = max(r["tokens"] for r in long)
         cuts = [c for c in (0, maxp, maxp + 2048, maxp + 4096) if c < n]
         spans = list(zip(cuts, cuts[1:] + [n]))
-        lines += ["", f"**Long text** ({n} tokens of the PG19 stand-in; the full cache is `streaming` with a budget "
-                      "above the text and original positions, so it never evicts and goes past the model's "
-                      f"{maxp} positions):", "",
+        lines += ["", f"**Long text** (up to {n} tokens of the PG19 stand-in; the full cache is `streaming` with a "
+                      "budget above its text and original positions, so it never evicts and goes past the model's "
+                      f"{maxp} positions, over {long[0]['tokens']} tokens):", "",
                   "| run | budget | max cache (mean per layer) | " + " | ".join(f"PPL {a}-{b}" for a, b in spans) + " | PPL all | ms/token |",
                   "| --- " * (len(spans) + 5) + "|"]
         for r in long:
             budget = "–" if r.get("label") else r["budget"]
             lines.append(f"| {_name(r)} | {budget} | {r['max_cache']} | "
-                         + " | ".join(f"{ppl_between(r, a, b):.2f}" for a, b in spans)
+                         + " | ".join(_fmt(ppl_between(r, a, b)) if a < r["tokens"] else "–" for a, b in spans)
                          + f" | {r['ppl']:.2f} | {r['ms_per_token']:.1f} |")
     for text in dict.fromkeys(r["text"] for r in _rows(result, "grid")):
         grid = _rows(result, "grid", text)

@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budgets", type=int, nargs="+", default=[256, 512])
     p.add_argument("--groups", nargs="*", default=["sentence", "turn"], choices=["sentence", "turn"],
                    help="group modes run besides token groups (at the smallest budget)")
-    p.add_argument("--cases", type=int, default=4, help="cases per cell (facts cycle through 6 templates)")
+    p.add_argument("--cases", type=int, default=3, help="cases per cell (facts cycle through 6 templates)")
     p.add_argument("--margin", type=int, default=256, help="history beyond the budget before the question")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
