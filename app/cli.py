@@ -458,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     from ..core.models import ModelError
 
-    commands = {"serve": cmd_serve, "chat": cmd_chat, "replay": cmd_replay, "policies": cmd_policies, "conversations": cmd_conversations}
+    commands = {"serve": cmd_serve, "chat": cmd_chat, "replay": cmd_replay, "policies": cmd_policies,
+                "conversations": cmd_conversations}
     commands["bench"] = _run_bench
     try:
         return commands[args.command](args)
