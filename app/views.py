@@ -6,27 +6,17 @@ Everything here reads a session (under its lock, through its public methods) and
 from __future__ import annotations
 
 import html
-import os
 from dataclasses import dataclass
 
 import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from ..core.session import ROLES, Session, peak_rss_mb
+from ..core.session import ROLES, Session
 from ..storage.db import Store
 
 VIEW_TOKENS = 30000  # the cache view shows at most this many of the most recent tokens
 MB = 2**20
-
-
-def rss_mb() -> float:
-    """The process's resident memory now (Linux /proc; elsewhere the peak)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MB
-    except (OSError, ValueError, IndexError):
-        return peak_rss_mb()
 
 
 @dataclass
@@ -207,21 +197,13 @@ def message_tokens(session: Session) -> list[int]:
     return torch.bincount(column, minlength=count)[:count].tolist()
 
 
-def chat_messages(session: Session, streaming: str | None = None) -> list[dict]:
-    """The conversation for the chat pane, each message with its token count (system prompt left out)."""
-    counts = message_tokens(session)
-    with session._lock:
+def chat_messages(session: Session, in_progress: bool = False) -> list[dict]:
+    """The conversation for the chat pane, each message with its token count (system prompt left out).
+    ``in_progress``: leave out the reply being generated (the caller draws it as it streams)."""
+    with session._lock:  # one consistent reading of messages and counts
+        counts = message_tokens(session)
         messages = [dict(m) for m in session.messages]
-    out = []
-    for i, m in enumerate(messages):
-        if m["role"] == "system":
-            continue
-        content = m["content"]
-        if streaming is not None and i == len(messages) - 1 and m["role"] == "assistant":
-            content = streaming
-        if streaming is not None and i == len(messages) - 1 and m["role"] == "assistant":
-            out.append({"role": "assistant", "content": content + " ▌"})  # still generating
-            continue
-        count = counts[i] if i < len(counts) else 0
-        out.append({"role": m["role"], "content": f"{content}\n\n<sub>{count:,} tokens</sub>"})
-    return out
+    if in_progress and messages and messages[-1]["role"] == "assistant":
+        messages.pop()
+    return [{"role": m["role"], "content": f"{m['content']}\n\n<sub>{counts[i]:,} tokens</sub>"}
+            for i, m in enumerate(messages) if m["role"] != "system"]

@@ -19,10 +19,10 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # a local tool: no c
 import gradio as gr  # noqa: E402
 
 from ..core.session import ContextFullError, Sampling  # noqa: E402
-from ..core.settings import Settings  # noqa: E402
 from ..policies import POLICIES, declared_params  # noqa: E402
 from .sessions import CapacityError, Entry, SessionManager  # noqa: E402
-from .views import Live, cache_view, charts, chat_messages, head_map, rss_mb  # noqa: E402
+from ..core.session import rss_mb  # noqa: E402
+from .views import Live, cache_view, charts, chat_messages, head_map  # noqa: E402
 
 CHART_EVERY_S = 1.0  # chart refresh while a reply streams
 USER_ERRORS = (ValueError, ContextFullError, CapacityError)
@@ -132,6 +132,12 @@ class WebApp:
             gr.Info("This tab's conversation was opened in another tab; a new conversation started here.")
         return entry
 
+    @staticmethod
+    def _idle(entry: Entry | None) -> Entry | None:
+        if entry is not None and entry.busy:
+            raise ValueError("a reply is streaming; stop it first")
+        return entry
+
     def send(self, text: str, request: gr.Request):
         key = request.session_hash
         yield from self._stream(key, text)
@@ -150,11 +156,13 @@ class WebApp:
         entry.busy = True
         shown = chat_messages(s) + [{"role": "user", "content": text}, {"role": "assistant", "content": "▌"}]
         yield [shown, ""] + keep
-        answer, last_chart, t0, n = "", 0.0, time.perf_counter(), 0
+        answer, last_chart, t0, n, before = "", 0.0, time.perf_counter(), 0, None
         try:
             for delta in gen:
                 answer += delta
                 n += 1
+                if before is None:  # the finished messages (and the user's count) are drawn once per reply
+                    before = chat_messages(s, in_progress=True)
                 now = time.perf_counter()
                 chart = gr.skip()
                 if now - last_chart >= CHART_EVERY_S:
@@ -162,7 +170,7 @@ class WebApp:
                     with s._lock:
                         live = Live(s.turn, s.cache.mean_length, s.cache_bytes, n / max(now - t0, 1e-6), rss_mb())
                     chart = self._charts(entry, live)
-                yield [chat_messages(s, streaming=answer), gr.skip(), chart] + [gr.skip()] * 5
+                yield [before + [{"role": "assistant", "content": answer + " ▌"}], gr.skip(), chart] + [gr.skip()] * 5
         finally:
             gen.close()  # if the browser went away mid-reply: the partial reply is kept and the turn closed
             entry.busy = False
@@ -184,9 +192,7 @@ class WebApp:
         """chat, input, charts, head map, cache view, conversations, status, info."""
         key = request.session_hash
         try:
-            entry = self._entry(key)
-            if entry.busy:
-                raise ValueError("a reply is streaming; stop it first")
+            entry = self._idle(self._entry(key))
             removed = entry.session.undo()
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
@@ -199,9 +205,7 @@ class WebApp:
     def retry(self, request: gr.Request):
         key = request.session_hash
         try:
-            entry = self._entry(key)
-            if entry.busy:
-                raise ValueError("a reply is streaming; stop it first")
+            entry = self._idle(self._entry(key))
             last = entry.session.history[-1] if entry.session.history else None
             if last is None or last.role != "assistant" or not entry.session.can_undo:
                 raise ValueError("nothing to retry: the last turn of this tab is not a reply")
@@ -278,9 +282,7 @@ class WebApp:
     def new_conversation(self, system: str, request: gr.Request):
         key = request.session_hash
         try:
-            current = self.m.get(key)
-            if current is not None and current.busy:
-                raise ValueError("a reply is streaming; stop it first")
+            self._idle(self.m.get(key))
             entry = self.m.new(key, system=system if system and system.strip() else None)
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
@@ -292,9 +294,7 @@ class WebApp:
         try:
             if conversation_id is None:
                 raise ValueError("choose a conversation in the list first")
-            current = self.m.get(key)
-            if current is not None and current.busy:
-                raise ValueError("a reply is streaming; stop it first")
+            self._idle(self.m.get(key))
             entry = self.m.open(key, int(conversation_id))
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
@@ -327,8 +327,7 @@ class WebApp:
             if holder is not None and holder != key:
                 raise ValueError(f"conversation #{conversation_id} is open in another tab")
             if holder == key:
-                if self.m.get(key).busy:
-                    raise ValueError("a reply is streaming; stop it first")
+                self._idle(self.m.get(key))
                 self.m.store.delete(int(conversation_id))
                 entry = self.m.new(key)
             else:
@@ -438,12 +437,11 @@ class WebApp:
 
             demo.load(self.load, None, views + settings_outputs, **model_queue)
             demo.unload(self.unload)
-            send_event = send_btn.click(self.send, [text], stream_outputs, **model_queue)
-            submit_event = text.submit(self.send, [text], stream_outputs, **model_queue)
+            send_btn.click(self.send, [text], stream_outputs, **model_queue)
+            text.submit(self.send, [text], stream_outputs, **model_queue)
             stop_btn.click(self.stop, None, None, queue=False)
             undo_btn.click(self.undo, None, stream_outputs, **model_queue)
             retry_btn.click(self.retry, None, stream_outputs, **model_queue)
-            del send_event, submit_event
 
             settings_out = [plot, heads, cache_html, status, info]
             policy.input(self.policy_changed, [policy], [*param_boxes, summary]).then(

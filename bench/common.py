@@ -55,15 +55,6 @@ def load_model(spec: str):
     return models.load(spec)
 
 
-def rss_mb() -> float:
-    """Current resident set size of this process (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except OSError:
-        return 0.0
-
-
 def machine() -> dict:
     return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform(),
@@ -73,6 +64,14 @@ def machine() -> dict:
 
 def ppl(nll: torch.Tensor) -> float:
     return math.exp(float(nll.mean())) if nll.numel() else float("nan")
+
+
+def save_figure(fig, path: Path, plt) -> Path:
+    """Lay out, write (PNG, 110 dpi) and close a matplotlib figure."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def log(msg: str) -> None:

@@ -18,7 +18,7 @@ from collections import Counter
 from ..core.settings import Settings
 from . import ppl as ppl_bench
 from . import recall as recall_bench
-from .common import Run, data_dir, log, read_text
+from .common import Run, data_dir, log, read_text, save_figure
 
 NAME = "headaware"
 TITLE = "Head-aware claims"
@@ -105,11 +105,7 @@ def plot(result: dict, plots, plt) -> list:
     axes[1].set_xlabel("KV head")
     axes[1].set_title("positions kept per head", fontsize=8)
     fig.colorbar(im2, ax=axes[1])
-    fig.tight_layout()
-    path = plots / "headaware_classes.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, plots / "headaware_classes.png", plt)]
 
 
 def markdown(result: dict) -> str:

@@ -11,9 +11,9 @@ import argparse
 import gc
 import json
 
-from ..core.session import Session
+from ..core.session import Session, rss_mb
 from ..core.settings import Settings
-from .common import Run, data_dir, log, rss_mb
+from .common import Run, data_dir, log, save_figure
 
 NAME = "memory"
 TITLE = "Memory"
@@ -89,11 +89,7 @@ def plot(result: dict, plots, plt) -> list:
     ax.set_ylabel("MB")
     ax.set_title(f"Memory over a {runs[0]['turns']}-turn replay, budget {runs[0]['budget']}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = plots / "memory.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, plots / "memory.png", plt)]
 
 
 def markdown(result: dict) -> str:

@@ -25,7 +25,7 @@ import torch
 from ..core.session import Session
 from ..core.settings import Settings
 from ..policies import POLICIES
-from .common import Run, SanityError, data_dir, log, read_text
+from .common import Run, SanityError, data_dir, log, read_text, save_figure
 
 NAME = "ppl"
 TITLE = "Long-text perplexity, streaming"
@@ -199,7 +199,7 @@ def plot(result: dict, plots, plt) -> list:
         ax.set_ylabel(f"PPL of each {k * seg}-token segment")
         ax.set_title(f"Streaming perplexity, PG19 stand-in (chunks of {result['config']['chunk']})")
         ax.legend(fontsize=8)
-        out.append(_save(fig, plots / "ppl_long.png", plt))
+        out.append(save_figure(fig, plots / "ppl_long.png", plt))
     grid = [r for r in _rows(result, "grid", "pg19") if r["policy"] != "full"]
     if grid:
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -214,7 +214,7 @@ def plot(result: dict, plots, plt) -> list:
         ax.set_ylabel("PPL")
         ax.set_title(f"PPL by budget, {grid[0]['tokens']} tokens of the PG19 stand-in, token groups")
         ax.legend(fontsize=8)
-        out.append(_save(fig, plots / "ppl_budgets.png", plt))
+        out.append(save_figure(fig, plots / "ppl_budgets.png", plt))
     win, sink = _rows(result, "window"), _rows(result, "sink")
     if win or sink:
         fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
@@ -227,19 +227,12 @@ def plot(result: dict, plots, plt) -> list:
             axes[1].plot([str(r["sink"]) for r in sink], [r["ppl"] for r in sink], marker="o")
             axes[1].set_xlabel(f"sink tokens (window {sink[0]['window']})")
         fig.suptitle("StreamingLLM ablations (streaming, rerotate)")
-        out.append(_save(fig, plots / "ppl_ablations.png", plt))
+        out.append(save_figure(fig, plots / "ppl_ablations.png", plt))
     return out
 
 
 def _fmt(v: float) -> str:
     return "–" if math.isnan(v) else f"{v:.2f}"
-
-
-def _save(fig, path, plt):
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def markdown(result: dict) -> str:

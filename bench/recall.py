@@ -20,7 +20,7 @@ from pathlib import Path
 from ..core.session import Sampling, Session
 from ..core.settings import Settings
 from ..policies import POLICIES
-from .common import Run, data_dir, log
+from .common import Run, data_dir, log, save_figure
 
 NAME = "recall"
 TITLE = "Recall across turns"
@@ -168,11 +168,7 @@ def plot(result: dict, plots, plt) -> list:
     ax.set_ylabel("mean NLL of the fact's tokens (probe)")
     ax.set_title("Recall across turns (lower is better)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = plots / "recall.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, plots / "recall.png", plt)]
 
 
 def markdown(result: dict) -> str:

@@ -23,7 +23,7 @@ import torch
 from ..core.session import Sampling, Session
 from ..core.settings import Settings
 from ..policies import POLICIES
-from .common import Run, data_dir, log, read_text
+from .common import Run, data_dir, log, read_text, save_figure
 
 NAME = "speed"
 TITLE = "Speed"
@@ -224,11 +224,7 @@ def plot(result: dict, plots, plt) -> list:
     axes[1].set_ylabel("prefill ms of the user turn")
     axes[0].legend(fontsize=7)
     fig.suptitle(f"Decode and prefill cost, budget {result['config']['budget']}")
-    fig.tight_layout()
-    path = plots / "speed.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, plots / "speed.png", plt)]
 
 
 def markdown(result: dict) -> str:
