@@ -84,9 +84,9 @@ class TurnResult:
     role: str
     prompt_tokens: int = 0
     new_tokens: int = 0
-    cache_tokens: int = 0
+    cache_tokens: int = 0  # positions per layer and head, averaged (cache.mean_length), at the turn's end
     cache_bytes: int = 0
-    peak_cache_tokens: int = 0
+    peak_cache_tokens: int = 0  # the same measure at its highest during the turn (after each forward)
     evicted_tokens: int = 0
     evicted_groups: int = 0
     prefill_ms: float = 0.0
@@ -602,7 +602,7 @@ class Session:
     def _begin(self, role: str) -> TurnResult:
         # Eviction events are not reset: those of a live settings change are committed with the next turn.
         self._warnings = []
-        self._peak = self.cache.length
+        self._peak = self.cache.mean_length
         return TurnResult(turn=self.turn, role=role)
 
     def _new_message(self, role: str, text: str) -> int:
