@@ -101,6 +101,12 @@ def decoding(cm, policy: str, overrides: dict, ids: list[int], budget: int, inte
     return {"ppl": math.exp(sum(nll) / len(nll)), "kept": session.cache_tokens, "max_cache": peak,
             "ms_per_token": 1000 * sum(times) / len(times)}
 
+# Policies whose decode-time rule is the same on both sides, so their PPL must agree once kvpress keeps its cache in
+# position order. Not snapkv (kvchat pools the window's votes before protecting the window, kvpress after) nor h2o
+# (inside DecodingPress, ObservedAttentionPress scores from the attention of the one query of the compressing step;
+# kvchat accumulates every step's attention, as H2O does).
+SAME_DECODE_RULE = ("streaming", "tova")
+
 
 def tasks(args) -> list[dict]:
     out = []
@@ -112,6 +118,13 @@ def tasks(args) -> list[dict]:
                     "args": kw, "overrides": overrides, "prefix": args.decode_budget, "keep": args.decode_budget,
                     "cont": args.decode_tokens, "interval": args.interval})
     return out
+
+
+def in_order(todo: list[dict]) -> list[dict]:
+    """Each decode-time task once more on the kvpress side with the kept tokens put back in position order after
+    each compression (kvpress_side.kept_in_position_order): what the press's rule gives without kvpress's
+    reordering of the cache."""
+    return [{**t, "id": t["id"] + "/in-order", "in_order": True} for t in todo if t["mode"] == "decoding"]
 
 
 def kvpress_side(args, ids: list[int], todo: list[dict], run: Run) -> dict:
@@ -140,7 +153,7 @@ def run(args, run: Run, cm) -> None:
         theirs = {}
     else:
         try:
-            theirs = kvpress_side(args, ids, todo, run)
+            theirs = kvpress_side(args, ids, todo + in_order(todo), run)
         except (OSError, subprocess.CalledProcessError, ValueError) as exc:
             run.rows["kvpress_skipped"] = f"the kvpress side failed: {exc}"
             run.check("kvpress side ran", False, str(exc))
@@ -158,6 +171,10 @@ def run(args, run: Run, cm) -> None:
                "kvchat": ours, "kvpress": ref}
         if ref and "ppl" in ref:
             row["relative_diff"] = ours["ppl"] / ref["ppl"] - 1
+        ordered = theirs.get(t["id"] + "/in-order")
+        if ordered and "ppl" in ordered:
+            row["kvpress_in_order"] = ordered
+            row["relative_diff_in_order"] = ours["ppl"] / ordered["ppl"] - 1
         rows.append(row)
         log(f"kvpress {t['id']:24s} kvchat PPL {ours['ppl']:8.3f} {ours['ms_per_token']:6.1f} ms/tok | kvpress "
             + (f"PPL {ref['ppl']:8.3f} {ref['ms_per_token']:6.1f} ms/tok" if ref and "ppl" in ref else str(ref)))
@@ -167,6 +184,12 @@ def run(args, run: Run, cm) -> None:
     if oneshot_rows:
         worst = max(abs(r["relative_diff"]) for r in oneshot_rows)
         run.check("one-shot PPL matches kvpress", worst < 0.01, f"largest one-shot PPL difference {100 * worst:.2f}%")
+    ordered_rows = [r for r in rows if "relative_diff_in_order" in r and r["policy"] in SAME_DECODE_RULE]
+    if ordered_rows:
+        worst = max(abs(r["relative_diff_in_order"]) for r in ordered_rows)
+        run.check("decode-time PPL matches kvpress with the cache in position order", worst < 0.01,
+                  f"largest decode-time PPL difference {100 * worst:.2f}% ({', '.join(SAME_DECODE_RULE)}) against "
+                  "kvpress with kept tokens in position order")
 
 
 def markdown(result: dict) -> str:
@@ -182,18 +205,33 @@ def markdown(result: dict) -> str:
     if res.get("kvpress_skipped"):
         lines += ["", f"kvpress side not run: {res['kvpress_skipped']}."]
     lines += ["", "| protocol | kvchat policy | kvpress press | budget | kvchat PPL | kvpress PPL | difference | "
-                  "kvchat ms/token | kvpress ms/token |", "| --- " * 9 + "|"]
+                  "kvpress PPL, cache kept in position order | difference | kvchat ms/token | kvpress ms/token |",
+              "| --- " * 11 + "|"]
     for r in res["rows"]:
         ours, ref = r["kvchat"], r["kvpress"]
         press = r["press"] if r["mode"] == "oneshot" else f"DecodingPress({r['press']})"
+        ordered = (f"{r['kvpress_in_order']['ppl']:.3f} | {100 * r['relative_diff_in_order']:+.2f}%"
+                   if "kvpress_in_order" in r else "– | –")
         if ref and "ppl" in ref:
-            theirs = f"{ref['ppl']:.3f} | {100 * r['relative_diff']:+.2f}% | {ours['ms_per_token']:.1f} | " \
-                     f"{ref['ms_per_token']:.1f}"
+            theirs = f"{ref['ppl']:.3f} | {100 * r['relative_diff']:+.2f}% | {ordered} | " \
+                     f"{ours['ms_per_token']:.1f} | {ref['ms_per_token']:.1f}"
         elif ref:
-            theirs = f"fails: {ref['error'].splitlines()[0][:80]} | – | {ours['ms_per_token']:.1f} | –"
+            theirs = f"fails: {ref['error'].splitlines()[0][:80]} | – | {ordered} | {ours['ms_per_token']:.1f} | –"
         else:
-            theirs = f"– | – | {ours['ms_per_token']:.1f} | –"
+            theirs = f"– | – | – | – | {ours['ms_per_token']:.1f} | –"
         lines.append(f"| {r['mode']} | {r['policy']} | {press} | {r['budget']} | {ours['ppl']:.3f} | {theirs} |")
+    if any("kvpress_in_order" in r for r in res["rows"]):
+        lines += ["", "kvpress's ScorerPress gathers the tokens it keeps in top-k (score) order, so after a compression "
+                  "its cache is no longer in position order ([kvpress issue #173](https://github.com/NVIDIA/kvpress/"
+                  "issues/173), where a maintainer expected it could matter only when presses are composed or run inside "
+                  "DecodingPress). StreamingLLMPress scores by slot (the first 4 slots are sinks, the next ones the "
+                  "oldest), so from DecodingPress's second compression on it evicts other tokens than its rule "
+                  "names. The column *cache kept in position order* runs each decode-time press again with the kept "
+                  "indices sorted (`kept_in_position_order` in `bench/kvpress_side.py`): the rule as written. "
+                  "One-shot runs compress once, where the order does not matter. The decode-time rules differ "
+                  "for two pairs: SnapKV (kvchat pools the window's votes before protecting the window, kvpress "
+                  "after) and H2O (inside DecodingPress, ObservedAttentionPress scores from the attention of the one "
+                  "query of the compressing step; kvchat accumulates every step's attention, as H2O does)."]
     return "\n".join(lines)
 
 

@@ -6,9 +6,12 @@ Two protocols per task:
 * ``oneshot``: prefill the prefix under the press (compressing it to ``keep`` positions), then score the
   continuation in one forward with the compressed cache at its original positions;
 * ``decoding``: kvpress's DecodingPress around the press: prefill the prefix uncompressed, then feed the
-  continuation one token per step (teacher forcing); every ``interval`` steps the cache is compressed to ``keep``.
+  continuation one token per step (teacher forcing); every ``interval`` steps the cache is compressed to ``keep``;
+  with ``in_order``, the kept tokens are put back in position order after each compression (see
+  ``kept_in_position_order``).
 """
 
+import contextlib
 import json
 import math
 import sys
@@ -35,13 +38,34 @@ def oneshot(kvpress, model, task, ids):
     return {"ppl": math.exp(float(nll.mean())), "kept": kept, "ms_per_token": ms}
 
 
+@contextlib.contextmanager
+def kept_in_position_order():
+    """kvpress's ScorerPress gathers the kept tokens in top-k (score) order, so after a compression the cache is no
+    longer in position order (kvpress issue #173). A press that scores by slot (StreamingLLMPress: the first n_sink
+    slots are sinks, the slots after them the oldest) then evicts other tokens than its rule names from the second
+    compression on. Within this context the kept indices come back in position order (ScorerPress.compress is
+    kvpress's only top-k call), so that a task can measure the press with and without kvpress's ordering."""
+    topk = torch.Tensor.topk
+
+    def in_order(self, k, dim=-1, *args, **kwargs):
+        idx = topk(self, k, dim, *args, **kwargs).indices.sort(dim=dim).values
+        return torch.return_types.topk((self.gather(dim, idx), idx))
+
+    torch.Tensor.topk = in_order
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = topk
+
+
 def decoding(kvpress, model, task, ids):
     prefix, cont = ids[: task["prefix"]], ids[task["prefix"]: task["prefix"] + task["cont"]]
     base = getattr(kvpress, task["class"])(**task["args"])
     press = kvpress.DecodingPress(base_press=base, compression_interval=task["interval"], target_size=task["keep"])
     cache = DynamicCache(config=model.config)
     nll, times, peak = [], [], 0
-    with torch.no_grad(), press(model):
+    order = kept_in_position_order() if task.get("in_order") else contextlib.nullcontext()
+    with torch.no_grad(), press(model), order:
         out = model(input_ids=prefix[None], past_key_values=cache, use_cache=True, logits_to_keep=1)
         logits = out.logits[0, -1].float()
         for i, tok in enumerate(cont.tolist()):

@@ -57,8 +57,10 @@ def bandwidth_gbs(mb: int = 256, repeats: int = 5) -> float:
 
 
 def timed_turn(session: Session, prompt: str, steps: int) -> dict:
-    """One user turn with exactly ``steps`` decoded tokens: prefill ms, decode ms/token, bookkeeping share."""
+    """One user turn with exactly ``steps`` decoded tokens: prefill ms, decode ms/token (the median step, so that a
+    shared machine's occasional stalls do not move it), bookkeeping share of the summed decode steps."""
     spent = {"s": 0.0}
+    steps_s: list[float] = []  # every feed of the turn: the prompt's prefill, one per decoded token, the closing tokens
 
     def timed(fn):
         def wrapped(*args, **kwargs):
@@ -70,6 +72,16 @@ def timed_turn(session: Session, prompt: str, steps: int) -> dict:
         return wrapped
 
     session._compress = timed(session._compress)
+    feed = session._feed
+
+    def timed_feed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return feed(*args, **kwargs)
+        finally:
+            steps_s.append(time.perf_counter() - t)
+
+    session._feed = timed_feed
     obs = session.observer
     if obs is not None:
         obs._accumulate, obs._remember = timed(obs._accumulate), timed(obs._remember)
@@ -84,18 +96,21 @@ def timed_turn(session: Session, prompt: str, steps: int) -> dict:
         res = session.history[-1]
     finally:
         cm.stop_ids = stop_ids
-        del session._compress
+        del session._compress, session._feed
         if obs is not None:
             del obs._accumulate, obs._remember
-    decode_s = res.decode_ms_per_token * (res.new_tokens - 1) / 1000
+    decode = steps_s[1: 1 + steps]  # after them, the turn's closing tokens are fed
+    if len(decode) != steps:
+        raise RuntimeError(f"expected {steps} decode steps, timed {len(decode)}")
     return {"prefill_ms": res.prefill_ms, "prompt_tokens": res.prompt_tokens,
-            "decode_ms_per_token": res.decode_ms_per_token, "bookkeeping": spent["s"] / decode_s,
+            "decode_ms_per_token": 1000 * statistics.median(decode), "decode_ms_mean": 1000 * statistics.mean(decode),
+            "bookkeeping": spent["s"] / sum(decode),
             "cache_tokens": session.cache_tokens, "kv_bytes": sum(layer.kv_bytes for layer in session.cache.layers)}
 
 
 def transformers_ms(cm, ids: list[int], steps: int) -> float:
     """A bare transformers loop for reference: ``ids`` prefilled into a DynamicCache (SDPA), then greedy decode
-    steps; mean ms per step."""
+    steps; median ms per step."""
     from transformers import DynamicCache
 
     model = cm.model
@@ -114,7 +129,7 @@ def transformers_ms(cm, ids: list[int], steps: int) -> float:
                 times.append(time.perf_counter() - t)
     finally:
         model.set_attn_implementation("kvchat")
-    return 1000 * statistics.mean(times)
+    return 1000 * statistics.median(times)
 
 
 def recompute_ms(cm, ids: list[int], window: int, steps: int) -> float:
@@ -231,8 +246,8 @@ def markdown(result: dict) -> str:
     res, cfg = result["results"], result["config"]
     rows = res["rows"]
     lengths = sorted({r["length"] for r in rows if r["policy"] not in ("recompute", "transformers")})
-    lines = [f"Budget {cfg['budget']}, {cfg['steps']} decoded tokens per measurement, a {cfg['prompt']}-token user "
-             f"turn; memory bandwidth measured {res['bandwidth_gbs']:.1f} GB/s, weights "
+    lines = [f"Budget {cfg['budget']}, {cfg['steps']} decoded tokens per measurement (decode ms/token: the median "
+             f"step), a {cfg['prompt']}-token user turn; memory bandwidth measured {res['bandwidth_gbs']:.1f} GB/s, weights "
              f"{res['weight_bytes'] / 2**20:.0f} MiB (fp32). Roofline = (weight bytes + kept KV bytes) / bandwidth.",
              "", "| policy | " + " | ".join(f"decode ms/token @ {n}" for n in lengths)
              + " | prefill ms @ " + " | prefill ms @ ".join(map(str, lengths))
