@@ -221,17 +221,18 @@ def markdown(result: dict) -> str:
             theirs = f"– | – | – | – | {ours['ms_per_token']:.1f} | –"
         lines.append(f"| {r['mode']} | {r['policy']} | {press} | {r['budget']} | {ours['ppl']:.3f} | {theirs} |")
     if any("kvpress_in_order" in r for r in res["rows"]):
-        lines += ["", "kvpress's ScorerPress gathers the tokens it keeps in top-k (score) order, so after a compression "
-                  "its cache is no longer in position order ([kvpress issue #173](https://github.com/NVIDIA/kvpress/"
-                  "issues/173), where a maintainer expected it could matter only when presses are composed or run inside "
-                  "DecodingPress). StreamingLLMPress scores by slot (the first 4 slots are sinks, the next ones the "
-                  "oldest), so from DecodingPress's second compression on it evicts other tokens than its rule "
-                  "names. The column *cache kept in position order* runs each decode-time press again with the kept "
-                  "indices sorted (`kept_in_position_order` in `bench/kvpress_side.py`): the rule as written. "
-                  "One-shot runs compress once, where the order does not matter. The decode-time rules differ "
-                  "for two pairs: SnapKV (kvchat pools the window's votes before protecting the window, kvpress "
-                  "after) and H2O (inside DecodingPress, ObservedAttentionPress scores from the attention of the one "
-                  "query of the compressing step; kvchat accumulates every step's attention, as H2O does)."]
+        lines += ["", "kvpress's ScorerPress gathers the tokens it keeps in top-k (score) order, so after a compression"
+                  " its cache is no longer in position order ([kvpress issue "
+                  "#173](https://github.com/NVIDIA/kvpress/issues/173), where a maintainer expected it could matter"
+                  " only when presses are composed or run inside DecodingPress). StreamingLLMPress scores by slot "
+                  "(the first 4 slots are sinks, the next ones the oldest), so from DecodingPress's second "
+                  "compression on it evicts other tokens than its rule names. The column *cache kept in position "
+                  "order* runs each decode-time press again with the kept indices sorted (`kept_in_position_order` "
+                  "in `bench/kvpress_side.py`): the rule as written. One-shot runs compress once, where the order "
+                  "does not matter. The decode-time rules differ for two pairs: SnapKV (kvchat pools the window's "
+                  "votes before protecting the window, kvpress after) and H2O (inside DecodingPress, "
+                  "ObservedAttentionPress scores from the attention of the one query of the compressing step; "
+                  "kvchat accumulates every step's attention, as H2O does)."]
     return "\n".join(lines)
 
 

@@ -247,8 +247,9 @@ def markdown(result: dict) -> str:
     rows = res["rows"]
     lengths = sorted({r["length"] for r in rows if r["policy"] not in ("recompute", "transformers")})
     lines = [f"Budget {cfg['budget']}, {cfg['steps']} decoded tokens per measurement (decode ms/token: the median "
-             f"step), a {cfg['prompt']}-token user turn; memory bandwidth measured {res['bandwidth_gbs']:.1f} GB/s, weights "
-             f"{res['weight_bytes'] / 2**20:.0f} MiB (fp32). Roofline = (weight bytes + kept KV bytes) / bandwidth.",
+             f"step), a {cfg['prompt']}-token user turn; memory bandwidth measured {res['bandwidth_gbs']:.1f} GB/s, "
+             f"weights {res['weight_bytes'] / 2**20:.0f} MiB (fp32). Roofline = (weight bytes + kept KV bytes) / "
+             "bandwidth.",
              "", "| policy | " + " | ".join(f"decode ms/token @ {n}" for n in lengths)
              + " | prefill ms @ " + " | prefill ms @ ".join(map(str, lengths))
              + " | bookkeeping | roofline ms | measured / roofline |", "| --- " * (2 * len(lengths) + 4) + "|"]
