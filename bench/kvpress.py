@@ -101,6 +101,7 @@ def decoding(cm, policy: str, overrides: dict, ids: list[int], budget: int, inte
     return {"ppl": math.exp(sum(nll) / len(nll)), "kept": session.cache_tokens, "max_cache": peak,
             "ms_per_token": 1000 * sum(times) / len(times)}
 
+
 # Policies whose decode-time rule is the same on both sides, so their PPL must agree once kvpress keeps its cache in
 # position order. Not snapkv (kvchat pools the window's votes before protecting the window, kvpress after) nor h2o
 # (inside DecodingPress, ObservedAttentionPress scores from the attention of the one query of the compressing step;
