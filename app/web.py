@@ -18,10 +18,9 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # a local tool: no c
 
 import gradio as gr  # noqa: E402
 
-from ..core.session import ContextFullError, Sampling  # noqa: E402
+from ..core.session import ContextFullError, Sampling, rss_mb  # noqa: E402
 from ..policies import POLICIES, declared_params  # noqa: E402
 from .sessions import CapacityError, Entry, SessionManager  # noqa: E402
-from ..core.session import rss_mb  # noqa: E402
 from .views import Live, cache_view, charts, chat_messages, head_map  # noqa: E402
 
 CHART_EVERY_S = 1.0  # chart refresh while a reply streams

@@ -17,6 +17,7 @@ from ..policies import POLICIES
 
 ORDER = ("ppl", "recall", "speed", "memory", "headaware", "kvpress")
 EXIT_SANITY = 1
+NON_NEGATIVE = ("sinks", "margin", "recompute_lengths", "seed")  # integer options where 0 is meaningful
 
 
 def _module(name: str):
@@ -73,15 +74,15 @@ def _validate(ns) -> None:
             if not POLICIES[p].bounded:
                 raise ValueError(f"--{name.replace('_', '-')}: {p} is not a bounded policy (the full cache is "
                                  "always measured as the reference)")
-    for name, value in vars(ns).items():
+    for name, value in vars(ns).items():  # every integer option is a size or a count
         values = value if isinstance(value, list) else [value]
-        if name in ("budgets", "budget", "tokens", "grid_tokens", "ablation_tokens", "chunk", "group_budget",
-                    "long_budget", "lengths", "steps", "prompt", "cases", "turns", "prefix", "cont",
-                    "decode_budget", "decode_tokens", "interval", "recall_budget", "windows", "sink_window",
-                    "max_new_tokens", "recompute_steps", "sink_tokens", "full_tokens") and any(not isinstance(v, int) or v < 1 for v in values):
+        if not values or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            continue
+        if name in NON_NEGATIVE:
+            if any(v < 0 for v in values):
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
+        elif any(v < 1 for v in values):
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
-        if name in ("sinks", "margin", "recompute_lengths") and any(v < 0 for v in values):
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {value}")
     if getattr(ns, "budgets", None) == []:
         raise ValueError("--budgets needs at least one budget")
 

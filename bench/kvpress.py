@@ -97,15 +97,13 @@ def decoding(cm, policy: str, overrides: dict, ids: list[int], budget: int, inte
         lp, _ = session.feed_raw([tok])
         times.append(time.perf_counter() - t)
         nll.append(-float(lp[0]))
-        peak = max(peak, session.cache_tokens)
+        peak = max(peak, session.history[-1].peak_cache_tokens)
     return {"ppl": math.exp(sum(nll) / len(nll)), "kept": session.cache_tokens, "max_cache": peak,
             "ms_per_token": 1000 * sum(times) / len(times)}
 
 
 # Policies whose decode-time rule is the same on both sides, so their PPL must agree once kvpress keeps its cache in
-# position order. Not snapkv (kvchat pools the window's votes before protecting the window, kvpress after) nor h2o
-# (inside DecodingPress, ObservedAttentionPress scores from the attention of the one query of the compressing step;
-# kvchat accumulates every step's attention, as H2O does).
+# position order (snapkv's and h2o's differ: see the note that markdown() writes).
 SAME_DECODE_RULE = ("streaming", "tova")
 
 

@@ -31,9 +31,9 @@ NAME = "ppl"
 TITLE = "Long-text perplexity, streaming"
 BOUNDED = [p for p, cls in POLICIES.items() if cls.bounded]
 SEGMENT = 250  # tokens per stored NLL segment
-QUICK = {"tokens": 800, "full_tokens": 800, "grid_tokens": 600, "ablation_tokens": 1000, "texts": ["pg19"], "budgets": [256],
-         "policies": ["streaming", "h2o"], "long_policies": ["streaming"], "long_budget": 256, "groups": [],
-         "windows": [64, 256], "sinks": [0, 4], "sink_window": 124, "sink_tokens": 1000}
+QUICK = {"tokens": 800, "full_tokens": 800, "grid_tokens": 600, "ablation_tokens": 1000, "texts": ["pg19"],
+         "budgets": [256], "policies": ["streaming", "h2o"], "long_policies": ["streaming"], "long_budget": 256,
+         "groups": [], "windows": [64, 256], "sinks": [0, 4], "sink_window": 124, "sink_tokens": 1000}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,9 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def stream(cm, ids: list[int], settings: Settings, chunk: int, inspect=None) -> dict:
-    """Feed ``ids`` in chunks; per-segment mean NLL, the largest cache seen (positions per layer and head,
-    averaged: per-layer and per-head budgets let single layers hold more) and where eviction began (plus
-    ``inspect(session)``'s entries at the end)."""
+    """Feed ``ids`` in chunks; per-segment mean NLL, the largest cache seen (the engine's peak: positions per layer
+    and head, averaged, as per-layer and per-head budgets let single layers hold more; the fullest layer beside it)
+    and where eviction began (plus ``inspect(session)``'s entries at the end)."""
     session = Session(cm, settings, system=None)
     nll = torch.full((len(ids),), float("nan"))
     peak, fullest, first_evict, t0 = 0, 0, None, time.perf_counter()
@@ -69,7 +69,7 @@ def stream(cm, ids: list[int], settings: Settings, chunk: int, inspect=None) -> 
         part = ids[i: i + chunk]
         lp, _ = session.feed_raw(part)
         nll[i: i + len(part)] = -lp
-        peak = max(peak, session.cache.mean_length)  # positions per layer and head, averaged
+        peak = max(peak, session.history[-1].peak_cache_tokens)
         fullest = max(fullest, session.cache.length)
         if first_evict is None and session.evicted_total:
             first_evict = i + len(part)
@@ -249,7 +249,8 @@ def markdown(result: dict) -> str:
         lines += ["", f"**Long text** (up to {n} tokens of the PG19 stand-in; the full cache is `streaming` with a "
                       "budget above its text and original positions, so it never evicts and goes past the model's "
                       f"{maxp} positions, over {long[0]['tokens']} tokens):", "",
-                  "| run | budget | max cache (mean per layer) | " + " | ".join(f"PPL {a}-{b}" for a, b in spans) + " | PPL all | ms/token |",
+                  "| run | budget | max cache (mean per layer) | " + " | ".join(f"PPL {a}-{b}" for a, b in spans)
+                  + " | PPL all | ms/token |",
                   "| --- " * (len(spans) + 5) + "|"]
         for r in long:
             budget = "–" if r.get("label") else r["budget"]

@@ -1,7 +1,7 @@
 """RESULTS.md and the plots, regenerated from every result JSON present under ``<out>/results``.
 
 Running one benchmark rewrites its JSON and then this whole report, so each bench updates its own section and the
-others stay as they were measured. ``results/NOTE.md``, when present, is placed under the header.
+others stay as they were measured.
 """
 
 from __future__ import annotations
@@ -45,9 +45,6 @@ def write(out: Path, modules: list) -> Path:
         if path.is_file():
             found.append((mod, json.loads(path.read_text(encoding="utf-8"))))
     lines = [HEADER]
-    note = results_dir / "NOTE.md"  # a hand-written note on the run (e.g. what was cut), kept across regenerations
-    if note.is_file():
-        lines.append(note.read_text(encoding="utf-8").strip() + "\n")
     if found:
         lines.append(_machine_line([r for _, r in found]))
         quick = [mod.NAME for mod, r in found if r["quick"]]

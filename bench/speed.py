@@ -59,32 +59,22 @@ def bandwidth_gbs(mb: int = 256, repeats: int = 5) -> float:
 def timed_turn(session: Session, prompt: str, steps: int) -> dict:
     """One user turn with exactly ``steps`` decoded tokens: prefill ms, decode ms/token (the median step, so that a
     shared machine's occasional stalls do not move it), bookkeeping share of the summed decode steps."""
-    spent = {"s": 0.0}
-    steps_s: list[float] = []  # every feed of the turn: the prompt's prefill, one per decoded token, the closing tokens
+    book: list[float] = []  # compressions and attention bookkeeping, from the first decoded token on
+    feeds: list[float] = []  # every feed of the turn: the prompt's prefill, one per decoded token, the closing tokens
 
-    def timed(fn):
+    def timed(fn, into: list[float]):
         def wrapped(*args, **kwargs):
             t = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent["s"] += time.perf_counter() - t
+                into.append(time.perf_counter() - t)
         return wrapped
 
-    session._compress = timed(session._compress)
-    feed = session._feed
-
-    def timed_feed(*args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return feed(*args, **kwargs)
-        finally:
-            steps_s.append(time.perf_counter() - t)
-
-    session._feed = timed_feed
+    session._compress, session._feed = timed(session._compress, book), timed(session._feed, feeds)
     obs = session.observer
     if obs is not None:
-        obs._accumulate, obs._remember = timed(obs._accumulate), timed(obs._remember)
+        obs._accumulate, obs._remember = timed(obs._accumulate, book), timed(obs._remember, book)
     cm = session.cm
     stop_ids, cm.stop_ids = cm.stop_ids, frozenset()
     try:
@@ -92,19 +82,20 @@ def timed_turn(session: Session, prompt: str, steps: int) -> dict:
         started = False
         for _ in gen:
             if not started:  # the prompt's prefill (and its compressions) is over
-                spent["s"], started = 0.0, True
+                book.clear()
+                started = True
         res = session.history[-1]
     finally:
         cm.stop_ids = stop_ids
         del session._compress, session._feed
         if obs is not None:
             del obs._accumulate, obs._remember
-    decode = steps_s[1: 1 + steps]  # after them, the turn's closing tokens are fed
+    decode = feeds[1: 1 + steps]  # after them, the turn's closing tokens are fed
     if len(decode) != steps:
         raise RuntimeError(f"expected {steps} decode steps, timed {len(decode)}")
     return {"prefill_ms": res.prefill_ms, "prompt_tokens": res.prompt_tokens,
             "decode_ms_per_token": 1000 * statistics.median(decode), "decode_ms_mean": 1000 * statistics.mean(decode),
-            "bookkeeping": spent["s"] / sum(decode),
+            "bookkeeping": sum(book) / sum(decode),
             "cache_tokens": session.cache_tokens, "kv_bytes": sum(layer.kv_bytes for layer in session.cache.layers)}
 
 

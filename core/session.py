@@ -86,7 +86,7 @@ class TurnResult:
     new_tokens: int = 0
     cache_tokens: int = 0  # positions per layer and head, averaged (cache.mean_length), at the turn's end
     cache_bytes: int = 0
-    peak_cache_tokens: int = 0  # the same measure at its highest during the turn (after each forward)
+    peak_cache_tokens: int = 0  # the same measure at its highest during the turn (before each compression)
     evicted_tokens: int = 0
     evicted_groups: int = 0
     prefill_ms: float = 0.0
@@ -611,7 +611,7 @@ class Session:
 
     def _end(self, res: TurnResult, messages: list[tuple[int, list[int]]]) -> TurnResult:
         res.cache_tokens, res.cache_bytes = self.cache.mean_length, self.cache.nbytes
-        res.peak_cache_tokens = self._peak
+        res.peak_cache_tokens = max(self._peak, res.cache_tokens)
         res.evicted_tokens = sum(e["evicted_tokens"] for e in self._events)
         res.evicted_groups = sum(e["evicted_groups"] for e in self._events)
         res.warnings = list(self._warnings)
@@ -749,7 +749,6 @@ class Session:
             out = self.cm.model(input_ids=ids[None].to(device), position_ids=pos[None].to(device),
                                 past_key_values=self.cache, use_cache=True,
                                 logits_to_keep=0 if all_logits else 1, **extra)
-        self._peak = max(self._peak, self.cache.mean_length)
         return out.logits[0]
 
     def _make_observer(self, policy) -> Observer | None:
@@ -860,6 +859,7 @@ class Session:
     def _compress(self, keep: int, reason: str) -> None:
         s = self.settings
         before = self.cache.mean_length
+        self._peak = max(self._peak, before)  # the cache is at its fullest just before a compression or a turn's end
         layers = [(li, layer) for li, layer in enumerate(self.cache.layers) if layer.is_initialized]
         views = [self._view(li, layer) for li, layer in layers]
         minimum = s.window_tokens + (s.sink if self.policy.protect_start else 0) + 1
