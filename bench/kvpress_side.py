@@ -43,8 +43,10 @@ def kept_in_position_order():
     """kvpress's ScorerPress gathers the kept tokens in top-k (score) order, so after a compression the cache is no
     longer in position order (kvpress issue #173). A press that scores by slot (StreamingLLMPress: the first n_sink
     slots are sinks, the slots after them the oldest) then evicts other tokens than its rule names from the second
-    compression on. Within this context the kept indices come back in position order (ScorerPress.compress is
-    kvpress's only top-k call), so that a task can measure the press with and without kvpress's ordering."""
+    compression on. Within this context the kept indices come back in position order (on the path of the presses
+    this bench runs, DecodingPress around StreamingLLM, SnapKV, TOVA or ObservedAttention, ScorerPress.compress is
+    the only top-k call; other kvpress presses call top-k for other ends), so that a task can measure the press with
+    and without kvpress's ordering."""
     topk = torch.Tensor.topk
 
     def in_order(self, k, dim=-1, *args, **kwargs):
