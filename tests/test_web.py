@@ -128,6 +128,19 @@ def _bot_messages(page) -> list[str]:
     return page.locator("#kv-chat .bot.message").all_inner_texts()
 
 
+# Records, on every change inside the chat, the length of an assistant message still being generated (it ends in
+# the cursor "▌").
+STREAM_RECORDER_JS = """() => {
+  window.kvLengths = [];
+  const chat = document.querySelector('#kv-chat');
+  new MutationObserver(() => {
+    const m = [...chat.querySelectorAll('.bot.message')];
+    const t = m.length ? m[m.length - 1].innerText.trim() : '';
+    if (t.endsWith('▌')) window.kvLengths.push(t.length);
+  }).observe(chat, {childList: true, subtree: true, characterData: true});
+}"""
+
+
 def _wait_bot_count(page, n: int):
     """Wait until the chat shows n finished assistant messages (each ends with its token count)."""
     page.wait_for_function("n => { const m = [...document.querySelectorAll('#kv-chat .bot.message')];"
@@ -155,18 +168,14 @@ def _session_id(page) -> str:
 def test_chat_streams_and_live_settings_change_charts_and_cache_view(browser, server):
     context, page = _open(browser, server.url)
     try:
-        # A reply streams: the bot message grows over several polls before the turn ends.
+        # A reply streams: the bot message grows over several renders before the turn ends. The page records the
+        # length of the reply in progress on every change of the chat (polling from here could miss a fast reply).
+        page.evaluate(STREAM_RECORDER_JS)
         page.fill("#kv-input textarea", "Hello! Tell me a short story about a lighthouse keeper.")
         page.click("#kv-send")
-        lengths = []
-        while True:  # a reply being generated ends in a cursor; a finished one in its token count
-            texts = _bot_messages(page)
-            if texts and re.search(r"\d+ tokens$", texts[-1].strip()):
-                break
-            lengths.append(len(texts[-1]) if texts and texts[-1].strip().endswith("▌") else 0)
-            assert len(lengths) < 4000, "the reply did not end"
-            time.sleep(0.05)
-        assert len({n for n in lengths if n > 0}) >= 3, f"no streaming seen: {lengths}"
+        _wait_bot_count(page, 1)
+        lengths = page.evaluate("() => window.kvLengths")
+        assert len({n for n in lengths if n > 1}) >= 3, f"no streaming seen: {lengths}"
         page.wait_for_function(f"() => {INFO_JS}.includes('conversation #')")
         reply = _bot_messages(page)[-1]
         assert re.search(r"\d+ tokens", reply) and len(reply) > 20
