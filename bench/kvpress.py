@@ -91,20 +91,21 @@ def oneshot(cm, policy: str, overrides: dict, ids: list[int], prefix: int, keep:
 def decoding(cm, policy: str, overrides: dict, ids: list[int], budget: int, interval: int, n: int) -> dict:
     session = Session(cm, _settings(policy, overrides, budget, slack=interval), system=None)
     session.feed_raw(ids[:budget], score=False)
-    nll, times, peak = [], [], 0
+    nll, times = [], []
     for tok in ids[budget: budget + n]:
         t = time.perf_counter()
         lp, _ = session.feed_raw([tok])
         times.append(time.perf_counter() - t)
         nll.append(-float(lp[0]))
-        peak = max(peak, session.history[-1].peak_cache_tokens)
-    return {"ppl": math.exp(sum(nll) / len(nll)), "kept": session.cache_tokens, "max_cache": peak,
+    return {"ppl": math.exp(sum(nll) / len(nll)), "kept": session.cache_tokens,
+            "max_cache": max(r.peak_cache_tokens for r in session.history),
             "ms_per_token": 1000 * sum(times) / len(times)}
 
 
 # Policies whose decode-time rule is the same on both sides, so their PPL must agree once kvpress keeps its cache in
 # position order (snapkv's and h2o's differ: see the note that markdown() writes).
 SAME_DECODE_RULE = ("streaming", "tova")
+IN_ORDER = "/in-order"  # suffix of a task's id for its run with the kept tokens in position order
 
 
 def tasks(args) -> list[dict]:
@@ -123,7 +124,7 @@ def in_order(todo: list[dict]) -> list[dict]:
     """Each decode-time task once more on the kvpress side with the kept tokens put back in position order after
     each compression (kvpress_side.kept_in_position_order): what the press's rule gives without kvpress's
     reordering of the cache."""
-    return [{**t, "id": t["id"] + "/in-order", "in_order": True} for t in todo if t["mode"] == "decoding"]
+    return [{**t, "id": t["id"] + IN_ORDER, "in_order": True} for t in todo if t["mode"] == "decoding"]
 
 
 def kvpress_side(args, ids: list[int], todo: list[dict], run: Run) -> dict:
@@ -170,7 +171,7 @@ def run(args, run: Run, cm) -> None:
                "kvchat": ours, "kvpress": ref}
         if ref and "ppl" in ref:
             row["relative_diff"] = ours["ppl"] / ref["ppl"] - 1
-        ordered = theirs.get(t["id"] + "/in-order")
+        ordered = theirs.get(t["id"] + IN_ORDER)
         if ordered and "ppl" in ordered:
             row["kvpress_in_order"] = ordered
             row["relative_diff_in_order"] = ours["ppl"] / ordered["ppl"] - 1

@@ -59,24 +59,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def stream(cm, ids: list[int], settings: Settings, chunk: int, inspect=None) -> dict:
-    """Feed ``ids`` in chunks; per-segment mean NLL, the largest cache seen (the engine's peak: positions per layer
-    and head, averaged, as per-layer and per-head budgets let single layers hold more; the fullest layer beside it)
-    and where eviction began (plus ``inspect(session)``'s entries at the end)."""
+    """Feed ``ids`` in chunks; per-segment mean NLL, the largest cache seen (the engine's per-turn peak: positions per
+    layer and head, averaged, as per-layer and per-head budgets let single layers hold more; beside it the fullest
+    layer after a chunk's compression) and where eviction began (plus ``inspect(session)``'s entries at the end)."""
     session = Session(cm, settings, system=None)
     nll = torch.full((len(ids),), float("nan"))
-    peak, fullest, first_evict, t0 = 0, 0, None, time.perf_counter()
+    fullest, first_evict, t0 = 0, None, time.perf_counter()
     for i in range(0, len(ids), chunk):
         part = ids[i: i + chunk]
         lp, _ = session.feed_raw(part)
         nll[i: i + len(part)] = -lp
-        peak = max(peak, session.history[-1].peak_cache_tokens)
         fullest = max(fullest, session.cache.length)
         if first_evict is None and session.evicted_total:
             first_evict = i + len(part)
     wall = time.perf_counter() - t0
     segs = [float(nll[a: a + SEGMENT].nanmean()) for a in range(0, len(ids), SEGMENT)]
     bound = settings.capacity if session.policy.bounded else None
-    return {"tokens": len(ids), "ppl": math.exp(float(nll[1:].mean())), "segments": segs, "max_cache": peak,
+    return {"tokens": len(ids), "ppl": math.exp(float(nll[1:].mean())), "segments": segs,
+            "max_cache": max(r.peak_cache_tokens for r in session.history),
             "max_layer": fullest, "bound": bound, "first_evict": first_evict, "ms_per_token": 1000 * wall / len(ids),
             "cache_bytes": session.cache_bytes, **(inspect(session) if inspect else {})}
 
