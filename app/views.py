@@ -164,7 +164,7 @@ def cache_view(session: Session) -> str:
     levels = [2 if h >= 0.9999 else 1 if h > 0 else 0 for h in held.tolist()]
     seen = sum(1 for h in levels if h)
     full = sum(1 for h in levels if h == 2)
-    tok = session.cm.tokenizer
+    tok = session.model.tokenizer
     parts = [f'<p class="kv-summary">The model still sees <b>{seen:,}</b> of {n:,} tokens ({100 * seen / n:.0f}%)'
              f': {full:,} in every head, {seen - full:,} in some heads, {n - seen:,} evicted.'
              + (f" Showing the last {VIEW_TOKENS:,}." if start else "") + "</p>"]

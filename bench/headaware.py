@@ -53,10 +53,10 @@ def inspect(session) -> dict:
         for c, k in zip(layer_cls, layer_kept):
             per_class.setdefault(c, []).append(k)
     kv = sum(layer.kv_bytes for layer in session.cache.layers)
-    cfg = session.cm.model.config
+    cfg = session.model.model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     uniform = (cfg.num_hidden_layers * cfg.num_key_value_heads * session.settings.capacity * head_dim * 2
-               * session.cm.model.dtype.itemsize)
+               * session.model.model.dtype.itemsize)
     return {"classes": classes, "kept": kept, "memory_bound_bytes": rep["memory_bound_bytes"], "kv_bytes": kv,
             "uniform_kv_bytes": uniform,
             "per_class": {c: {"heads": len(v), "mean_budget": sum(v) / len(v)} for c, v in per_class.items()}}

@@ -15,11 +15,15 @@ SDPA) at the same history, where it fits the model's positions, shows the engine
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
+from unittest import mock
 
 import torch
 
+from ..core import compress
+from ..core.observe import Observer
 from ..core.session import Sampling, Session
 from ..core.settings import Settings
 from ..policies import POLICIES
@@ -60,7 +64,9 @@ def timed_turn(session: Session, prompt: str, steps: int) -> dict:
     """One user turn with exactly ``steps`` decoded tokens: prefill ms, decode ms/token (the median step, so that a
     shared machine's occasional stalls do not move it), bookkeeping share of the summed decode steps."""
     book: list[float] = []  # compressions and attention bookkeeping, from the first decoded token on
-    feeds: list[float] = []  # every feed of the turn: the prompt's prefill, one per decoded token, the closing tokens
+    feeds: list[float] = []  # every forward of the turn with the compressions before it: the prompt's prefill
+    # chunks, one per decoded token, the closing tokens
+    compressing: list[float] = []  # compressions since the last forward
 
     def timed(fn, into: list[float]):
         def wrapped(*args, **kwargs):
@@ -69,28 +75,40 @@ def timed_turn(session: Session, prompt: str, steps: int) -> dict:
                 return fn(*args, **kwargs)
             finally:
                 into.append(time.perf_counter() - t)
+                if into is compressing:
+                    book.append(into[-1])
         return wrapped
 
-    session._compress, session._feed = timed(session._compress, book), timed(session._feed, feeds)
-    obs = session.observer
-    if obs is not None:
-        obs._accumulate, obs._remember = timed(obs._accumulate, book), timed(obs._remember, book)
-    cm = session.cm
+    def forward(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return plain_forward(*args, **kwargs)
+        finally:
+            feeds.append(time.perf_counter() - t + sum(compressing))
+            compressing.clear()
+
+    plain_forward = session.forward
+    session.forward = forward
+    patches = [mock.patch.object(compress, "compress", timed(compress.compress, compressing))]
+    if session.observer is not None:
+        patches.append(mock.patch.object(Observer, "__call__", timed(Observer.__call__, book)))
+    cm = session.model
     stop_ids, cm.stop_ids = cm.stop_ids, frozenset()
     try:
-        gen = session.reply(prompt, max_new_tokens=steps + 1, temperature=0.0)
-        started = False
-        for _ in gen:
-            if not started:  # the prompt's prefill (and its compressions) is over
-                book.clear()
-                started = True
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
+            gen = session.reply(prompt, max_new_tokens=steps + 1, temperature=0.0)
+            prefill_forwards = None
+            for _ in gen:
+                if prefill_forwards is None:  # the prompt's prefill (and its compressions) is over
+                    book.clear()
+                    prefill_forwards = len(feeds)
         res = session.history[-1]
     finally:
         cm.stop_ids = stop_ids
-        del session._compress, session._feed
-        if obs is not None:
-            del obs._accumulate, obs._remember
-    decode = feeds[1: 1 + steps]  # after them, the turn's closing tokens are fed
+        del session.forward
+    decode = feeds[prefill_forwards: prefill_forwards + steps]  # after them, the turn's closing tokens are fed
     if len(decode) != steps:
         raise RuntimeError(f"expected {steps} decode steps, timed {len(decode)}")
     return {"prefill_ms": res.prefill_ms, "prompt_tokens": res.prompt_tokens,

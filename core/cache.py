@@ -184,6 +184,23 @@ class KVLayer(CacheLayerMixin):
         """Keys as [1, heads, max_len, dim] (zeros where a shorter head has none)."""
         return self.padded(self.keys)[None]
 
+    def load(self, caps: list[int], keys: list[torch.Tensor], values: list[torch.Tensor],
+             abs_pos: list[torch.Tensor], pos_off: list[int], stats: dict[str, torch.Tensor]) -> None:
+        """Fill the layer from saved per-head keys, values and positions (a snapshot or an undo copy)."""
+        self.dtype, self.device = keys[0].dtype, keys[0].device
+        self._dims = (keys[0].shape[-1], values[0].shape[-1])
+        self.stats = {}
+        self.lens = [0] * len(caps)
+        self._allocate(caps)
+        self.is_initialized = True
+        for h, (k, v, p) in enumerate(zip(keys, values, abs_pos)):
+            dst = slice(self.offs[h], self.offs[h] + k.shape[0])
+            self.keys[dst], self.values[dst] = k, v
+            self.abs_pos[dst] = p.to(device=self.device, dtype=torch.int32)
+            self.lens[h] = k.shape[0]
+        self.pos_off = list(pos_off)
+        self.stats = dict(stats)
+
     # -- compression ------------------------------------------------------------------------------------------
     def keep(self, index: list[torch.Tensor], rotary: Rotary | None = None, next_pos: int | None = None,
              caps: list[int] | None = None) -> None:
@@ -360,24 +377,9 @@ class KVCache(Cache):
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], device, dtype) -> None:
         for i, layer in enumerate(self.layers):
             caps = tensors[f"{i}.caps"].tolist()
-            heads = len(caps)
-            keys = [tensors[f"{i}.{h}.keys"].to(device=device, dtype=dtype) for h in range(heads)]
-            values = [tensors[f"{i}.{h}.values"].to(device=device, dtype=dtype) for h in range(heads)]
-            layer.dtype, layer.device = dtype, device
-            layer._dims = (keys[0].shape[-1], values[0].shape[-1])
-            layer.stats = {}
-            layer.lens = [0] * heads
-            layer._allocate(caps)
-            layer.is_initialized = True
-            for h in range(heads):
-                n = keys[h].shape[0]
-                dst = slice(layer.offs[h], layer.offs[h] + n)
-                layer.keys[dst] = keys[h]
-                layer.values[dst] = values[h]
-                layer.abs_pos[dst] = tensors[f"{i}.{h}.abs_pos"].to(device=device, dtype=torch.int32)
-                layer.lens[h] = n
-            layer.pos_off = tensors[f"{i}.pos_off"].tolist()
-            for key, t in tensors.items():
-                prefix = f"{i}.stat."
-                if key.startswith(prefix):
-                    layer.stats[key[len(prefix):]] = t.to(device)
+            heads = range(len(caps))
+            prefix = f"{i}.stat."
+            layer.load(caps, [tensors[f"{i}.{h}.keys"].to(device=device, dtype=dtype) for h in heads],
+                       [tensors[f"{i}.{h}.values"].to(device=device, dtype=dtype) for h in heads],
+                       [tensors[f"{i}.{h}.abs_pos"] for h in heads], tensors[f"{i}.pos_off"].tolist(),
+                       {k[len(prefix):]: t.to(device) for k, t in tensors.items() if k.startswith(prefix)})

@@ -77,3 +77,14 @@ class Rotary:
         if rd == keys.shape[-1]:
             return rotated
         return torch.cat((rotated, keys[..., rd:]), dim=-1)
+
+
+def convert_positions(cache, rotary: Rotary | None, new: str) -> None:
+    """Switch a live cache's kept keys to positions mode ``new`` (``rerotate`` or ``original``)."""
+    layers = [layer for layer in cache.layers if layer.is_initialized]
+    if new == "rerotate":  # kept keys end right before the next position, as after a compression
+        for layer in layers:
+            layer.pos_off = [cache.length - n for n in layer.lens]
+    if rotary is not None:
+        for layer in layers:
+            layer.shift_positions(rotary, to_original=new == "original")

@@ -1,14 +1,18 @@
-"""Cache settings of a session: which policy, how many positions, how they are grouped and positioned.
+"""The settings of a session, declared once: what the cache keeps (``Settings``) and how replies are sampled
+(``Sampling``).
 
-Everything here can change on a live session; ``validate`` checks a combination before any of it is applied.
+Each setting is a ``Param`` in ``CACHE_SETTINGS`` or ``SAMPLING_SETTINGS``; the CLI flags, the chat's ``/set``
+help, the web UI's settings panel and the README's flag table are generated from these declarations (the policies'
+own parameters come from their classes the same way). Everything here can change on a live session; ``validate``
+checks a combination before any of it is applied.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from ..policies import make_policy, policy_class
+from ..policies import POLICIES, Param, make_policy, policy_class
 from .groups import AGGREGATES, GROUP_MODES
 from .positions import POSITION_MODES
 
@@ -18,17 +22,50 @@ def max_slack(budget: int) -> int:
     return max(64, budget // 8)
 
 
+CACHE_SETTINGS: tuple[Param, ...] = (
+    Param("policy", str, "streaming", "eviction policy (kvchat policies lists them)", choices=tuple(POLICIES)),
+    Param("budget", int, 1024, "cached positions per layer after a compression", min=1),
+    Param("sink", int, 4, "first tokens of the conversation always kept (attention sink)", min=0),
+    Param("window", int, None, "most recent tokens always kept", min=0, derived="budget/4"),
+    Param("slack", int, None, "compression starts when the cache reaches budget + slack and brings it back to the "
+          "budget; the cache never holds more than budget + slack positions", min=1, derived="max(64, budget/8)"),
+    Param("groups", str, "token", "eviction unit: single tokens, whole sentences or whole turns",
+          choices=GROUP_MODES),
+    Param("positions", str, "rerotate", "re-rotate kept keys to contiguous positions 0..n-1, or keep the "
+          "absolute positions they were computed at", choices=POSITION_MODES),
+    Param("aggregate", str, "mean", "how token scores become a group score", choices=AGGREGATES),
+)
+
+SAMPLING_SETTINGS: tuple[Param, ...] = (
+    Param("max_new_tokens", int, 256, "longest reply in tokens", min=1),
+    Param("temperature", float, 0.7, "sampling temperature (0 = greedy)", min=0.0),
+    Param("top_p", float, 0.9, "nucleus sampling: smallest set of tokens whose probability reaches top_p",
+          min=1e-6, max=1.0),
+)
+
+_CACHE = {p.name: p for p in CACHE_SETTINGS}
+_SAMPLING = {p.name: p for p in SAMPLING_SETTINGS}
+
+
+def declared(name: str) -> Param:
+    """The declaration of an engine setting (cache or sampling) by name."""
+    try:
+        return _CACHE.get(name) or _SAMPLING[name]
+    except KeyError:
+        raise ValueError(f"unknown setting {name!r} (choose from: {', '.join([*_CACHE, *_SAMPLING])})") from None
+
+
 @dataclass(frozen=True)
 class Settings:
-    policy: str = "streaming"
-    params: dict = field(default_factory=dict)
-    budget: int = 1024  # cached positions per layer
-    sink: int = 4
-    window: int | None = None  # protected recent tokens; None: budget // 4
-    slack: int | None = None  # compression starts at budget + slack; None: max(64, budget/8)
-    groups: str = "token"
-    positions: str = "rerotate"
-    aggregate: str = "mean"  # how token scores become a group score
+    policy: str = _CACHE["policy"].default
+    params: dict = field(default_factory=dict)  # the policy's own parameters (declared by its class)
+    budget: int = _CACHE["budget"].default
+    sink: int = _CACHE["sink"].default
+    window: int | None = _CACHE["window"].default  # None: derived (budget // 4)
+    slack: int | None = _CACHE["slack"].default  # None: derived (max(64, budget/8))
+    groups: str = _CACHE["groups"].default
+    positions: str = _CACHE["positions"].default
+    aggregate: str = _CACHE["aggregate"].default
 
     # -- derived ----------------------------------------------------------------------------------------------
     @property
@@ -43,11 +80,22 @@ class Settings:
     def capacity(self) -> int:
         return self.budget + self.slack_tokens
 
+    @property
+    def bounded(self) -> bool:
+        """Whether the policy evicts (a bounded cache); ``full`` grows up to the model's positions."""
+        return policy_class(self.policy).bounded
+
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["window"] = self.window_tokens
         d["slack"] = self.slack_tokens
         return d
+
+    @classmethod
+    def from_dict(cls, stored: dict) -> "Settings":
+        """Settings as stored with a conversation (keys this version does not know are ignored)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in stored.items() if k in known})
 
     def changed(self, **changes: Any) -> "Settings":
         """A copy with ``changes`` applied; policy parameters are reset when the policy changes."""
@@ -59,19 +107,10 @@ class Settings:
         """ValueError with a one-line reason if this combination cannot run."""
         cls = policy_class(self.policy)
         make_policy(self.policy, **self.params)
-        if self.groups not in GROUP_MODES:
-            raise ValueError(f"groups must be one of {', '.join(GROUP_MODES)}, got {self.groups!r}")
-        if self.positions not in POSITION_MODES:
-            raise ValueError(f"positions must be one of {', '.join(POSITION_MODES)}, got {self.positions!r}")
-        if self.aggregate not in AGGREGATES:
-            raise ValueError(f"aggregate must be one of {', '.join(AGGREGATES)}, got {self.aggregate!r}")
+        for p in CACHE_SETTINGS[1:]:
+            p.parse(getattr(self, p.name))
         if self.positions == "rerotate" and rotary_error:
             raise ValueError(rotary_error)
-        for name in ("budget", "sink"):
-            if getattr(self, name) < (1 if name == "budget" else 0):
-                raise ValueError(f"{name} must be {'positive' if name == 'budget' else '>= 0'}")
-        if self.window_tokens < 0:
-            raise ValueError("window must be >= 0")
         if not cls.bounded:
             return
         if self.budget < self.sink + self.window_tokens:
@@ -84,3 +123,23 @@ class Settings:
             raise ValueError(
                 f"budget + slack ({self.capacity}) exceeds the model's {max_positions} positions"
             )
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a reply is generated; every field is declared in ``SAMPLING_SETTINGS``."""
+
+    max_new_tokens: int = _SAMPLING["max_new_tokens"].default
+    temperature: float = _SAMPLING["temperature"].default
+    top_p: float = _SAMPLING["top_p"].default
+
+    def validate(self) -> "Sampling":
+        """The same settings, each converted and checked by its declaration (ValueError naming the bad one)."""
+        return Sampling(**{p.name: p.parse(getattr(self, p.name)) for p in SAMPLING_SETTINGS})
+
+    def changed(self, **changes: Any) -> "Sampling":
+        """A validated copy with the given (non-None) changes applied."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None}).validate()
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -9,15 +9,22 @@ touches the cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 
+_KINDS = {int: "a whole number", float: "a finite number", bool: "true or false", str: "text"}
+
+
 @dataclass(frozen=True)
 class Param:
-    """A declared policy parameter."""
+    """A declared setting: a policy's parameter, or one of the engine's (core/settings.py).
+
+    The CLI flags, the chat's /set help, the web UI's settings panel, ``kvchat policies`` and the README's tables
+    are generated from these declarations."""
 
     name: str
     type: type
@@ -26,18 +33,45 @@ class Param:
     choices: tuple | None = None
     min: float | None = None
     max: float | None = None
+    #: The default in words when it is derived from other settings (``default`` is then None, and so is "unset").
+    derived: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def shown_default(self) -> str:
+        return self.derived if self.derived is not None else str(self.default)
+
+    @property
+    def kind(self) -> str:
+        """The value's kind for help texts: the choices, or the type's name."""
+        return "|".join(map(str, self.choices)) if self.choices else self.type.__name__
 
     def parse(self, value: Any) -> Any:
-        """Convert and validate ``value`` (from a CLI string, JSON or a UI widget); ValueError if invalid."""
+        """Convert and validate ``value`` (from a CLI string, JSON or a UI widget); ValueError if invalid.
+
+        A derived setting (``derived`` set) takes None or an empty string as "unset"."""
+        if self.derived is not None and (value is None or (isinstance(value, str) and not value.strip())):
+            return None
         try:
+            if self.type is int and isinstance(value, float):
+                if value != int(value):
+                    raise ValueError
+                value = int(value)
             if self.type is bool and isinstance(value, str):
                 if value.lower() not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
                     raise ValueError
                 value = value.lower() in ("1", "true", "yes", "on")
+            elif self.type is int and isinstance(value, str):
+                value = int(value.strip())
             else:
                 value = self.type(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{self.name} must be a {self.type.__name__}, got {value!r}") from None
+            if self.type is float and not math.isfinite(value):
+                raise ValueError
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"{self.name} must be {_KINDS.get(self.type, self.type.__name__)}, got {value!r}") from None
         if self.choices is not None and value not in self.choices:
             raise ValueError(f"{self.name} must be one of {', '.join(map(str, self.choices))}, got {value!r}")
         if self.min is not None and value < self.min:
@@ -66,7 +100,7 @@ class LayerView:
     acc: torch.Tensor | None = None  # [heads, n] attention received so far (policies observing "acc")
     window: torch.Tensor | None = None  # [heads, rows, n] attention of the last queries (observing "window")
     groups: torch.Tensor | None = None  # [heads, n] group id of each slot in sentence/turn mode
-    now: int = 0  # tokens fed so far (the next absolute position)
+    fed: int = 0  # tokens fed so far (the next absolute position)
 
     @property
     def recency(self) -> torch.Tensor:

@@ -29,7 +29,7 @@ class H2O(Policy):
             return view.recency
         acc = view.acc
         if self.average:
-            acc = acc / (view.now - view.positions).clamp(min=1)
+            acc = acc / (view.fed - view.positions).clamp(min=1)
         acc = acc.masked_fill(~view.valid, float("-inf"))
         if not self.heavy:
             return acc

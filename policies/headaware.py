@@ -138,7 +138,7 @@ class HeadAware(Policy):
         recency = view.recency
         n = recency.shape[1]
         acc = view.acc if view.acc is not None else torch.zeros_like(recency)
-        acc = acc / (view.now - view.positions).clamp(min=1)
+        acc = acc / (view.fed - view.positions).clamp(min=1)
         votes = view.window.sum(1)
         scores = torch.empty_like(recency)
         for h, cls in enumerate(self.classes[view.layer]):

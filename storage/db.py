@@ -7,7 +7,6 @@ its first exchange.
 
 from __future__ import annotations
 
-import functools
 import json
 import sqlite3
 import threading
@@ -15,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import sqlite_utils
+
+from ..core.locking import locked
 
 SCHEMA: dict[str, tuple[dict, list]] = {
     "conversations": ({
@@ -51,15 +52,6 @@ def _load(row: dict) -> dict:
     return {k: json.loads(v) if k in JSON_FIELDS and isinstance(v, str) else v for k, v in row.items()}
 
 
-def _serialized(method):
-    """One connection shared by the web server's threads: one call at a time."""
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        with self._lock:
-            return method(self, *args, **kwargs)
-    return wrapper
-
-
 class Store:
     def __init__(self, path: str | Path):
         path = Path(path).expanduser()
@@ -75,12 +67,12 @@ class Store:
             for cols in indexes:
                 table.create_index(list(cols), if_not_exists=True)
 
-    @_serialized
+    @locked
     def close(self) -> None:
         self.db.close()
 
     # -- writing ----------------------------------------------------------------------------------------------
-    @_serialized
+    @locked
     def commit_turns(self, conversation_id: int | None, conversation: dict, records: list[dict],
                      settings_changes: list[dict] = ()) -> int:
         """Write completed turns (messages, stats, eviction events) and the conversation state in one transaction."""
@@ -105,18 +97,18 @@ class Store:
                 self.db.table("settings_changes").insert(_dump({**change, "conversation_id": conversation_id}))
         return conversation_id
 
-    @_serialized
+    @locked
     def record_settings(self, conversation_id: int, change: dict) -> None:
         with self.db.atomic():
             self.db.table("settings_changes").insert(_dump({**change, "conversation_id": conversation_id}))
             self.db.table("conversations").update(conversation_id, _dump({"settings": change["settings"]}))
 
-    @_serialized
+    @locked
     def set_snapshot(self, conversation_id: int, path: str | None, turn: int | None) -> None:
         with self.db.atomic():
             self.db.table("conversations").update(conversation_id, {"snapshot_path": path, "snapshot_turn": turn})
 
-    @_serialized
+    @locked
     def truncate(self, conversation_id: int, turn: int, conversation: dict) -> None:
         """Remove turn ``turn`` and later (undo), in one transaction with the conversation's new state. Settings
         changes made after those turns stay; they now precede turn ``turn``. The snapshot no longer matches."""
@@ -127,7 +119,7 @@ class Store:
                             [turn, conversation_id, turn])
             self.db.table("conversations").update(conversation_id, _dump({**conversation, "snapshot_turn": None}))
 
-    @_serialized
+    @locked
     def rename(self, conversation_id: int, title: str) -> None:
         self.conversation(conversation_id)
         if not title.strip():
@@ -135,7 +127,7 @@ class Store:
         with self.db.atomic():
             self.db.table("conversations").update(conversation_id, {"title": title.strip()})
 
-    @_serialized
+    @locked
     def delete(self, conversation_id: int) -> None:
         row = self.conversation(conversation_id)
         with self.db.atomic():
@@ -146,14 +138,14 @@ class Store:
             Path(row["snapshot_path"]).unlink(missing_ok=True)
 
     # -- reading ----------------------------------------------------------------------------------------------
-    @_serialized
+    @locked
     def conversation(self, conversation_id: int) -> dict:
         rows = list(self.db.query("SELECT * FROM conversations WHERE id = ?", [conversation_id]))
         if not rows:
             raise ValueError(f"no conversation {conversation_id} in {self.path}")
         return _load(rows[0])
 
-    @_serialized
+    @locked
     def conversations(self) -> list[dict]:
         sql = """SELECT c.id, c.title, c.model, c.settings, c.total_tokens, c.next_turn, c.created_at, c.updated_at,
                         (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS messages
@@ -164,23 +156,23 @@ class Store:
         sql = f"SELECT * FROM {table} WHERE conversation_id = ? ORDER BY {order}"
         return [_load(r) for r in self.db.query(sql, [conversation_id])]
 
-    @_serialized
+    @locked
     def messages(self, conversation_id: int) -> list[dict]:
         return self._rows("messages", conversation_id, "idx")
 
-    @_serialized
+    @locked
     def turn_stats(self, conversation_id: int) -> list[dict]:
         return self._rows("turn_stats", conversation_id, "turn")
 
-    @_serialized
+    @locked
     def eviction_events(self, conversation_id: int) -> list[dict]:
         return self._rows("eviction_events", conversation_id, "id")
 
-    @_serialized
+    @locked
     def settings_changes(self, conversation_id: int) -> list[dict]:
         return self._rows("settings_changes", conversation_id, "id")
 
-    @_serialized
+    @locked
     def export_replay(self, conversation_id: int) -> list[dict[str, Any]]:
         """The conversation as replay-script lines ({"system"|"user"|"assistant": text})."""
         return [{m["role"]: m["text"]} for m in self.messages(conversation_id)]

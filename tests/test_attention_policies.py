@@ -19,11 +19,11 @@ GREEDY = Sampling(max_new_tokens=6, temperature=0.0)
 CHAT = ["Hello there, who are you?", "Tell me about the sea. It is big!", "And the mountains?"]
 
 
-def _view(window=None, acc=None, n=None, heads=1, layer=0, now=None):
+def _view(window=None, acc=None, n=None, heads=1, layer=0, fed=None):
     n = n or (window.shape[-1] if window is not None else acc.shape[-1])
     positions = torch.arange(n).expand(heads, n)
     return LayerView(layer, positions, torch.ones(heads, n, dtype=torch.bool), torch.zeros(1, heads, n, 4),
-                     acc=acc, window=window, now=now if now is not None else n)
+                     acc=acc, window=window, fed=fed if fed is not None else n)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt-neox", "gpt2"])
@@ -56,7 +56,7 @@ def test_bounded_and_compressing(tiny, policy, groups):
 def test_h2o_keeps_an_old_token_every_query_attends_to():
     acc = torch.ones(1, 20)
     acc[0, 2] = 50.0  # old, but every query attended to it
-    view = _view(acc=acc, now=20)
+    view = _view(acc=acc, fed=20)
     policy = make_policy("h2o")
     keep = select_keep(policy.score(view), 6, torch.zeros(1, 20, dtype=torch.bool))
     assert 2 in keep[0].tolist()

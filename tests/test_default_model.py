@@ -63,19 +63,19 @@ def test_endless_chat_stays_bounded_and_positions_stay_small(smol):
     settings = Settings(policy="streaming", budget=96, window=24, slack=12, groups="sentence")
     session = Session(smol, settings, sampling=Sampling(max_new_tokens=12, temperature=0.0))
     positions = []
-    forward = session.cm.model.forward
+    forward = session.model.model.forward
 
     def spy(*args, **kwargs):
         positions.append(int(kwargs["position_ids"].max()))
         return forward(*args, **kwargs)
 
-    session.cm.model.forward = spy
+    session.model.model.forward = spy
     try:
         turns = [json.loads(line)["turns"][0] for line in (SHARED / "streaming-llm" / "mt_bench.jsonl")
                  .read_text().splitlines()[:12]]
         results = [session.chat(q) for q in turns]
     finally:
-        del session.cm.model.forward
+        del session.model.model.forward
     assert session.total_tokens > 4 * settings.capacity
     assert max(r.peak_cache_tokens for r in results) <= settings.capacity
     assert max(positions) < settings.capacity

@@ -46,14 +46,14 @@ def test_cache_never_exceeds_budget_plus_slack(tiny, arch, groups, policy):
     session = Session(tiny(arch), settings, sampling=Sampling(max_new_tokens=10, temperature=0.0))
     bound = settings.budget + settings.slack_tokens
     seen = []
-    forward = session._forward
+    forward = session.forward
 
     def checked(ids, abs_pos, all_logits=False):
         out = forward(ids, abs_pos, all_logits)
         seen.append(session.cache.length)
         return out
 
-    session._forward = checked
+    session.forward = checked
     results = _long_chat(session, turns=6) + [session.chat("Now say something long please.")]
     assert max(seen) <= bound
     assert max(r.peak_cache_tokens for r in results) <= bound

@@ -56,7 +56,7 @@ def test_failed_turn_writes_nothing(tiny, tmp_path):
     def boom(*a, **k):
         raise RuntimeError("killed mid-turn")
 
-    session._forward = boom
+    session.forward = boom
     with pytest.raises(RuntimeError):
         session.exchange("this turn dies", "never stored")
     assert len(store.messages(cid)) == n_msgs and len(store.turn_stats(cid)) == n_stats

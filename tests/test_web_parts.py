@@ -110,4 +110,4 @@ def test_head_map_and_layer_budgets_for_headaware(tiny, tmp_path):
     layers = s.policy.report()["head_classes"]
     assert fig is not None and len(fig.data[0].z) == len(layers)
     held, allocated = layer_lengths(s)
-    assert allocated is not None and len(held) == len(allocated) == s.cm.num_layers
+    assert allocated is not None and len(held) == len(allocated) == s.model.num_layers

@@ -1,0 +1,81 @@
+"""The state of a session before a turn, so ``undo()`` can put it back exactly.
+
+``Checkpoint.capture`` and ``Checkpoint.restore`` are the one place that lists what a turn changes: the kept KV
+and what indexes it (observer queries, token log length, sentence numbering), the messages, the counters, the
+records not yet written, the policy's learned state and the sampling generator. A new piece of turn state gets a
+field here, or undo would not take it back.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+from ..policies import make_policy
+from .cache import KVCache
+from .compress import Evictions
+from .settings import Settings
+
+
+@dataclass
+class Checkpoint:
+    settings: Settings
+    policy_state: dict
+    capacity: int | None
+    cache: dict[str, torch.Tensor]
+    observer: dict[str, torch.Tensor]
+    log_n: int
+    sentence: tuple[int, bool]
+    messages: list[dict]
+    turn: int
+    history: int  # turns in the history
+    evictions: Evictions
+    system_tokens: int
+    last_logits: torch.Tensor | None
+    warned: set[str]
+    pending: list[dict]
+    pending_settings: list[dict]
+    title: str | None
+    conversation_id: int | None
+    generator: torch.Tensor
+
+    @classmethod
+    def capture(cls, session) -> "Checkpoint":
+        """A copy of the kept KV and of everything that indexes it."""
+        observer = session.observer
+        return cls(
+            settings=session.settings, policy_state=copy.deepcopy(session.policy.get_state()),
+            capacity=session.cache.capacity,
+            cache={k: t.clone() for k, t in session.cache.state_tensors().items()},
+            observer={k: t.clone() for k, t in observer.state_tensors().items()} if observer is not None else {},
+            log_n=session.log.n, sentence=session.log.sentence, messages=[dict(m) for m in session.messages],
+            turn=session.turn, history=len(session.history), evictions=copy.deepcopy(session.evictions),
+            system_tokens=session.system_tokens, last_logits=session.last_logits, warned=set(session.warned),
+            pending=list(session.pending), pending_settings=list(session.pending_settings), title=session.title,
+            conversation_id=session.conversation_id, generator=session.generator.get_state(),
+        )
+
+    def restore(self, session) -> list[dict]:
+        """Put the session back as it was at capture (the caller re-applies settings changed since); returns the
+        messages that were added after it."""
+        model = session.model
+        removed = session.messages[len(self.messages):]
+        session.settings, session.policy = self.settings, make_policy(self.settings.policy, **self.settings.params)
+        session.policy.set_state(self.policy_state)
+        session.cache = KVCache(model.num_layers, self.capacity, model.max_positions)
+        if self.cache:
+            session.cache.load_state_tensors(self.cache, model.device, model.dtype)
+        session.observer = session.make_observer(session.policy)
+        if session.observer is not None and self.observer:
+            session.observer.load_state_tensors(self.observer, model.device)
+        session.log.truncate(self.log_n, self.sentence)
+        session.messages, session.turn = self.messages, self.turn
+        del session.history[self.history:]
+        session.evictions = self.evictions
+        session.system_tokens, session.last_logits, session.warned = self.system_tokens, self.last_logits, self.warned
+        session.pending, session.pending_settings = self.pending, self.pending_settings
+        session.title = self.title
+        session.generator.set_state(self.generator)
+        return removed

@@ -1,0 +1,83 @@
+"""What other threads may read of a session (the web UI's views, while a reply streams): each method is one
+consistent, locked reading, so nothing outside the engine takes the session's lock or walks its cache."""
+
+from __future__ import annotations
+
+import torch
+
+from .locking import locked
+from .procinfo import peak_rss_mb
+from .tokens import ROLES
+
+
+class SessionReads:
+    """Mixed into ``Session``; reads ``log``, ``messages``, ``cache``, ``policy`` and ``settings``."""
+
+    @locked
+    def read_messages(self, in_progress: bool = True) -> list[dict]:
+        """The messages ({"role", "content", "tokens"}: tokens as the template rendered them); without
+        ``in_progress``, a reply being generated is left out."""
+        column = self.log.column("message").long()
+        counts = torch.bincount(column, minlength=len(self.messages)).tolist() if column.numel() else []
+        out = [{**m, "tokens": counts[i] if i < len(counts) else 0} for i, m in enumerate(self.messages)]
+        if not in_progress and self._streaming is not None:
+            del out[self._streaming:]
+        return out
+
+    @locked
+    def token_rows(self, start: int = 0) -> dict[str, list]:
+        """From absolute position ``start`` on: token id, role name, message index, and the fraction of
+        (layer, KV head) pairs whose cache still holds it."""
+        start = min(max(start, 0), self.log.n)
+        return {"start": start, "token": self.log.column("token")[start:].tolist(),
+                "role": [ROLES[r] for r in self.log.column("role")[start:].tolist()],
+                "message": self.log.column("message")[start:].tolist(),
+                "held": self.held_fraction()[start:].tolist()}
+
+    @locked
+    def kept_positions(self) -> torch.Tensor:
+        """Absolute positions held by at least one layer/head, ascending."""
+        held = [layer.positions().flatten() for layer in self.cache.layers if layer.is_initialized]
+        if not held:
+            return torch.zeros(0, dtype=torch.long)
+        held = torch.unique(torch.cat(held))
+        return held[held >= 0].cpu()
+
+    @locked
+    def held_fraction(self) -> torch.Tensor:
+        """Per absolute position, the fraction of (layer, KV head) pairs whose cache still holds it."""
+        counts = torch.zeros(self.log.n, dtype=torch.float32)
+        heads = 0
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                pos = layer.positions().flatten().cpu().long()
+                counts += torch.bincount(pos[pos >= 0], minlength=self.log.n)[: self.log.n].float()
+                heads += layer.heads
+        return counts / max(heads, 1)
+
+    @locked
+    def layer_lengths(self) -> list[float]:
+        """Positions held per layer now (the mean over its KV heads)."""
+        return [sum(layer.lens) / layer.heads if layer.is_initialized else 0.0 for layer in self.cache.layers]
+
+    @locked
+    def policy_report(self) -> dict:
+        return self.policy.report()
+
+    @locked
+    def cache_now(self) -> dict:
+        """The cache at this moment: turn in progress, positions per layer and head (mean), bytes allocated."""
+        return {"turn": self.turn, "cache_tokens": self.cache.mean_length, "cache_bytes": self.cache.nbytes,
+                "length": self.cache.length}
+
+    @locked
+    def stats(self) -> dict:
+        s = self.settings
+        return {
+            "policy": s.policy, "params": dict(self.policy.values), "settings": s.as_dict(), "turns": self.turn,
+            "total_tokens": self.log.n, "cache_tokens": self.cache.length, "cache_bytes": self.cache.nbytes,
+            "capacity": s.capacity if self.policy.bounded else None, "evicted_tokens": self.evictions.total,
+            "max_positions": self.model.max_positions, "peak_rss_mb": peak_rss_mb(),
+            "observer_bytes": self.observer.nbytes if self.observer is not None else 0,
+            **self.policy.report(),
+        }

@@ -1,0 +1,38 @@
+"""What a turn reports, and the errors a turn can raise."""
+
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import asdict, dataclass, field
+
+
+class ContextFullError(ValueError):
+    """The conversation cannot take more tokens without passing the model's position limit."""
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+@dataclass
+class TurnResult:
+    turn: int
+    role: str
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    cache_tokens: int = 0  # positions per layer and head, averaged (cache.mean_length), at the turn's end
+    cache_bytes: int = 0
+    peak_cache_tokens: int = 0  # the same measure at its highest during the turn (before each compression)
+    evicted_tokens: int = 0
+    evicted_groups: int = 0
+    prefill_ms: float = 0.0
+    decode_ms_per_token: float | None = None
+    answer: str | None = None
+    stopped: str | None = None
+    expect: str | None = None
+    hit: bool | None = None
+    expect_nll: float | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
