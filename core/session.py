@@ -223,16 +223,16 @@ class Session(Generation, SessionReads):
         return self._close_turn(res, [(mu, user_ids), (ma, reply_ids)])
 
     @locked
-    def reply(self, user: str, max_new_tokens: int | None = None, temperature: float | None = None,
-              top_p: float | None = None) -> Generator[str, None, TurnResult]:
+    def reply(self, user: str, **sampling: Any) -> Generator[str, None, TurnResult]:
         """Add a user message and generate the reply; returns a generator yielding text as it is decoded.
 
-        Bad input raises here, before anything is fed.
+        ``sampling``: settings of ``Sampling`` that apply to this reply only (None values ignored). Bad input raises
+        here, before anything is fed.
 
         The generator's return value (``StopIteration.value``; also ``self.history[-1]``) is the TurnResult.
         ``cancel()`` or closing the generator stops the reply; what was generated is kept and committed.
         """
-        sampling = self.sampling.changed(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
+        sampling = self.sampling.changed(**sampling)
         user = check_text(user, "user message")
         u = {"role": "user", "content": user}
         user_ids = self._encode(self.model.chat.segment(self.messages, u))

@@ -38,11 +38,18 @@ CACHE_SETTINGS: tuple[Param, ...] = (
 
 SAMPLING_SETTINGS: tuple[Param, ...] = (
     Param("max_new_tokens", int, 256, "longest reply in tokens", min=1),
-    Param("temperature", float, 0.7, "sampling temperature (0 = greedy)", min=0.0),
-    Param("top_p", float, 0.9, "nucleus sampling: smallest set of tokens whose probability reaches top_p",
+    Param("temperature", float, 0.7, "sampling temperature (0 = greedy: every other sampling setting is then off)",
+          min=0.0),
+    Param("top_p", float, 0.9, "nucleus sampling: smallest set of tokens whose probability reaches top_p (1 = off)",
           min=1e-6, max=1.0),
+    Param("top_k", int, 0, "sample among the k most likely tokens only (0 = off)", min=0),
+    Param("min_p", float, 0.0, "drop tokens less likely than min_p times the most likely one (0 = off)",
+          min=0.0, max=1.0),
+    Param("repetition_penalty", float, 1.0, "divide the logit of every token the model can see (cache and reply "
+          "so far) by this (1 = off)", min=1.0, max=10.0),
+    Param("no_repeat_ngram_size", int, 0, "never repeat an n-gram of this size from what the model can see "
+          "(0 = off)", min=0, max=64),
 )
-
 _CACHE = {p.name: p for p in CACHE_SETTINGS}
 _SAMPLING = {p.name: p for p in SAMPLING_SETTINGS}
 
@@ -125,6 +132,10 @@ class Settings:
             )
 
 
+#: Sampling defaults per model where its own generation config has none (kvchat's default model, from its card).
+MODEL_SAMPLING: dict[str, dict[str, Any]] = {}
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How a reply is generated; every field is declared in ``SAMPLING_SETTINGS``."""
@@ -132,6 +143,21 @@ class Sampling:
     max_new_tokens: int = _SAMPLING["max_new_tokens"].default
     temperature: float = _SAMPLING["temperature"].default
     top_p: float = _SAMPLING["top_p"].default
+    top_k: int = _SAMPLING["top_k"].default
+    min_p: float = _SAMPLING["min_p"].default
+    repetition_penalty: float = _SAMPLING["repetition_penalty"].default
+    no_repeat_ngram_size: int = _SAMPLING["no_repeat_ngram_size"].default
+
+    @classmethod
+    def for_model(cls, model, **overrides: Any) -> "Sampling":
+        """The model's sampling defaults (its generation config where it sets them, else ``MODEL_SAMPLING``,
+        else the declared defaults) with ``overrides`` (None values ignored) applied and validated."""
+        defaults = dict(getattr(model, "sampling_defaults", None) or {})
+        return cls(**defaults).changed(**overrides)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
 
     def validate(self) -> "Sampling":
         """The same settings, each converted and checked by its declaration (ValueError naming the bad one)."""
@@ -139,6 +165,9 @@ class Sampling:
 
     def changed(self, **changes: Any) -> "Sampling":
         """A validated copy with the given (non-None) changes applied."""
+        unknown = set(changes) - set(_SAMPLING)
+        if unknown:
+            raise ValueError(f"unknown sampling setting {', '.join(sorted(unknown))}")
         return replace(self, **{k: v for k, v in changes.items() if v is not None}).validate()
 
     def as_dict(self) -> dict[str, Any]:
