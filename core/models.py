@@ -12,7 +12,7 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -136,6 +136,15 @@ class ChatModel:
     rotary_error: str | None  # why positions cannot be re-rotated, if they cannot
     max_positions: int
     stop_ids: frozenset[int]
+    #: Sampling settings the model's generation config sets (empty: kvchat's per-model or declared defaults).
+    generation_defaults: dict = field(default_factory=dict)
+
+    @property
+    def sampling_defaults(self) -> dict:
+        """The model's sampling defaults: its generation config where it sets them, else ``MODEL_SAMPLING``."""
+        from .settings import MODEL_SAMPLING
+
+        return self.generation_defaults or dict(MODEL_SAMPLING.get(self.name, {}))
 
     @property
     def num_layers(self) -> int:
@@ -169,7 +178,17 @@ class ChatModel:
             stop.add(closing_ids[0])  # e.g. <|im_end|>, which ends an assistant turn in ChatML
         param = next(model.parameters())
         return cls(model, tokenizer, chat, name, param.device, param.dtype, rotary, rotary_error,
-                   int(max_positions), frozenset(int(s) for s in stop))
+                   int(max_positions), frozenset(int(s) for s in stop), _generation_defaults(model))
+
+
+def _generation_defaults(model) -> dict:
+    """The sampling settings a model's own generation config sets (only when it samples by default)."""
+    config = getattr(model, "generation_config", None)
+    if config is None or not getattr(config, "do_sample", False):
+        return {}
+    given = config.to_diff_dict()
+    names = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "no_repeat_ngram_size")
+    return {k: given[k] for k in names if given.get(k) is not None}
 
 
 def load(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto", device_map: str | None = None,

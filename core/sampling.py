@@ -1,20 +1,73 @@
-"""Choosing the next token from the logits of the last position."""
+"""Choosing the next token: transformers' logits processors over the logits of the last position, then greedy or a
+draw from the session's generator.
+
+The processors are built once per reply from ``Sampling`` (through a ``GenerationConfig``, so each setting means
+what it means in ``generate``). Repetition penalties see only what the model can see: the tokens the cache holds
+when the reply starts (the user's message included) and the reply so far, not the whole history.
+"""
 
 from __future__ import annotations
 
 import torch
+from transformers import GenerationConfig
+from transformers.generation import (LogitsProcessorList, MinPLogitsWarper, NoRepeatNGramLogitsProcessor,
+                                     RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
+                                     TopPLogitsWarper)
 
 from .settings import Sampling
 
 
-def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> int:
-    """Greedy at temperature 0; else temperature, then top-p (nucleus), then a draw from ``generator``."""
-    if sampling.temperature <= 0:
-        return int(torch.argmax(logits))
-    probs = torch.softmax(logits.float().cpu() / sampling.temperature, dim=-1)
-    if sampling.top_p < 1:
-        sorted_p, order = torch.sort(probs, descending=True)
-        drop = torch.cumsum(sorted_p, 0) - sorted_p > sampling.top_p
-        sorted_p[drop] = 0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-    return int(torch.multinomial(probs, 1, generator=generator))
+def generation_config(sampling: Sampling) -> GenerationConfig:
+    """The same settings as transformers' ``GenerationConfig`` (off values left at transformers' defaults)."""
+    s = sampling
+    return GenerationConfig(
+        do_sample=not s.greedy, max_new_tokens=s.max_new_tokens,
+        temperature=s.temperature if not s.greedy else None,
+        top_k=s.top_k or None, top_p=s.top_p if s.top_p < 1 else None, min_p=s.min_p or None,
+        repetition_penalty=s.repetition_penalty if s.repetition_penalty != 1 else None,
+        no_repeat_ngram_size=s.no_repeat_ngram_size or None,
+    )
+
+
+def logits_processors(sampling: Sampling) -> LogitsProcessorList:
+    """The processors ``generate`` would apply for ``sampling``, in its order: penalties, then (sampling only)
+    temperature, top-k, top-p, min-p."""
+    cfg = generation_config(sampling)
+    out = LogitsProcessorList()
+    if cfg.repetition_penalty is not None:
+        out.append(RepetitionPenaltyLogitsProcessor(cfg.repetition_penalty))
+    if cfg.no_repeat_ngram_size:
+        out.append(NoRepeatNGramLogitsProcessor(cfg.no_repeat_ngram_size))
+    if cfg.do_sample:
+        if cfg.temperature != 1.0:
+            out.append(TemperatureLogitsWarper(cfg.temperature))
+        if cfg.top_k:
+            out.append(TopKLogitsWarper(cfg.top_k))
+        if cfg.top_p is not None:
+            out.append(TopPLogitsWarper(cfg.top_p))
+        if cfg.min_p:
+            out.append(MinPLogitsWarper(cfg.min_p))
+    return out
+
+
+class Sampler:
+    """The next-token rule of one reply. ``visible``: the token ids the cache holds as the reply starts."""
+
+    def __init__(self, sampling: Sampling, generator: torch.Generator, visible: torch.Tensor | None = None):
+        self.sampling, self.generator = sampling, generator
+        self.processors = logits_processors(sampling)
+        self.needs_ids = sampling.repetition_penalty != 1 or sampling.no_repeat_ngram_size > 0
+        self.ids = visible.long().view(1, -1) if self.needs_ids and visible is not None else torch.zeros(
+            1, 0, dtype=torch.long)
+
+    def __call__(self, logits: torch.Tensor) -> int:
+        scores = logits.float().cpu()[None]
+        if self.processors:
+            scores = self.processors(self.ids, scores)
+        if self.sampling.greedy:
+            token = int(torch.argmax(scores[0]))
+        else:
+            token = int(torch.multinomial(torch.softmax(scores[0], dim=-1), 1, generator=self.generator))
+        if self.needs_ids:
+            self.ids = torch.cat([self.ids, torch.tensor([[token]])], dim=1)
+        return token

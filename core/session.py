@@ -187,10 +187,10 @@ class Session(Generation, SessionReads):
         reply_ids = self._encode(self.model.chat.segment(self.messages + [u],
                                                          {"role": "assistant", "content": assistant}))
         res = self._open_turn("assistant", len(user_ids) + len(reply_ids))
-        mu, ma = self.new_message("user", user), self.new_message("assistant", assistant)
-        self._prefill(res, [(user_ids, mu), (reply_ids, ma)])
+        user_idx, reply_idx = self.new_message("user", user), self.new_message("assistant", assistant)
+        self._prefill(res, [(user_ids, user_idx), (reply_ids, reply_idx)])
         res.answer = assistant
-        return self._close_turn(res, [(mu, user_ids), (ma, reply_ids)])
+        return self._close_turn(res, [(user_idx, user_ids), (reply_idx, reply_ids)])
 
     @locked
     def probe(self, user: str, reference: str, expect: str) -> TurnResult:
@@ -214,13 +214,13 @@ class Session(Generation, SessionReads):
         lo, hi = ref_start + at, ref_start + at + len(expect)
         cover = [j for j, (a, b) in enumerate(offsets) if b > lo and a < hi]
         res = self._open_turn("assistant", len(user_ids) + len(reply_ids))
-        mu, ma = self.new_message("user", user), self.new_message("assistant", reference)
-        _, logprobs, top1 = self._prefill(res, [(user_ids, mu), (reply_ids, ma)], want_logprobs=True)
+        user_idx, reply_idx = self.new_message("user", user), self.new_message("assistant", reference)
+        _, logprobs, top1 = self._prefill(res, [(user_ids, user_idx), (reply_ids, reply_idx)], want_logprobs=True)
         rows = [len(user_ids) + j - 1 for j in cover]  # the logits that predict each covering token
         res.expect_nll = float(-logprobs[rows].mean())
         res.hit = bool(top1[rows].all())
         res.answer, res.expect = reference, expect
-        return self._close_turn(res, [(mu, user_ids), (ma, reply_ids)])
+        return self._close_turn(res, [(user_idx, user_ids), (reply_idx, reply_ids)])
 
     @locked
     def reply(self, user: str, **sampling: Any) -> Generator[str, None, TurnResult]:
