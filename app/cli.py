@@ -14,10 +14,12 @@ import time
 from pathlib import Path
 
 from .. import __version__
-from ..core.settings import Settings
-from ..policies import POLICIES, declared_params
+from ..core.settings import CACHE_SETTINGS, SAMPLING_SETTINGS, Sampling, Settings
+from ..policies import POLICIES, Param, declared_params, policy_class
 
 EXIT_USAGE = 2
+#: Sampling defaults of ``kvchat replay`` where the user gives none: greedy, so replays are reproducible.
+REPLAY_SAMPLING = {"temperature": 0.0}
 
 
 class CLIError(ValueError):
@@ -25,7 +27,7 @@ class CLIError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------------------------------
-# Arguments, generated from the settings and the policies' declared parameters
+# Arguments, generated from the declared settings (core/settings.py) and the policies' declared parameters
 # ------------------------------------------------------------------------------------------------------------------
 def _model_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
@@ -38,45 +40,65 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--db", default=None, help="SQLite database (default: $KVCHAT_HOME/kvchat.db)")
 
 
+def metavar(p: Param) -> str:
+    """How a flag's value is shown in --help: its choices ({a,b}) or its type (INT, FLOAT, STR, BOOL)."""
+    return "{" + ",".join(map(str, p.choices)) + "}" if p.choices else p.type.__name__.upper()
+
+
+def _add_flag(group, p: Param, dest: str, note: str = "", default: str | None = None) -> None:
+    """One flag from its declaration. The value stays a string (default None: not given); ``Param.parse`` checks
+    it later, so a bad value is one ``kvchat: error:`` line like every other input error."""
+    group.add_argument(p.flag, dest=dest, default=None, metavar=metavar(p),
+                       help=f"{p.help} ({note}default {p.shown_default if default is None else default})")
+
+
 def _cache_args(parser: argparse.ArgumentParser) -> None:
-    d = Settings()
     g = parser.add_argument_group("cache")
-    g.add_argument("--policy", default=d.policy, help=f"eviction policy: {', '.join(POLICIES)}")
-    g.add_argument("--budget", type=int, default=d.budget, help="cached positions per layer")
-    g.add_argument("--sink", type=int, default=d.sink, help="first tokens always kept (attention sink)")
-    g.add_argument("--window", type=int, default=None, help="most recent tokens always kept (default budget/4)")
-    g.add_argument("--slack", type=int, default=None,
-                   help="compress when the cache reaches budget+slack (default and max: max(64, budget/8))")
-    g.add_argument("--groups", default=d.groups, choices=["token", "sentence", "turn"], help="eviction unit")
-    g.add_argument("--positions", default=d.positions, choices=["rerotate", "original"],
-                   help="re-rotate kept keys to 0..n-1, or keep absolute positions")
-    g.add_argument("--aggregate", default=d.aggregate, choices=["mean", "max", "sum"],
-                   help="how token scores become a group score")
+    for p in CACHE_SETTINGS:
+        _add_flag(g, p, p.name)
     for name, (p, users) in declared_params().items():
-        g.add_argument(f"--{name.replace('_', '-')}", dest=f"param_{name}", default=None,
-                       help=f"{p.help} (policies: {', '.join(users)}; default {p.default})")
+        _add_flag(g, p, f"param_{name}", note=f"policies: {', '.join(users)}; ")
 
 
-def _sampling_args(parser: argparse.ArgumentParser, temperature: float) -> None:
+def _sampling_args(parser: argparse.ArgumentParser, defaults: dict | None = None) -> None:
+    """Sampling flags default to None: the model's own defaults apply to what is not given (``_prepare``), after
+    the command's own ``defaults`` (shown in the help)."""
+    defaults = defaults or {}
     g = parser.add_argument_group("generation")
-    g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
-    g.add_argument("--top-p", type=float, default=0.9)
-    g.add_argument("--seed", type=int, default=0)
+    for p in SAMPLING_SETTINGS:
+        shown = f"{defaults[p.name]}" if p.name in defaults else f"{p.shown_default} unless the model sets its own"
+        _add_flag(g, p, p.name, default=shown)
+    g.add_argument("--seed", type=int, default=0, metavar="INT", help="seed of the sampler (default 0)")
+
+
+def parse_setting(p: Param, value):
+    """A cache or sampling setting's value converted and checked by its declaration (ValueError, one line). The
+    policy is looked up among the registered ones (its declared choices are those known when it was declared)."""
+    if p.name == "policy":
+        return policy_class(str(value)).name
+    return p.parse(value)
 
 
 def settings_from_args(args) -> Settings:
-    cls_params = {p.name for p in POLICIES[args.policy].params} if args.policy in POLICIES else set()
+    """The cache settings given on the command line (each parsed by its declaration), defaults for the rest."""
+    given = {p.name: parse_setting(p, getattr(args, p.name)) for p in CACHE_SETTINGS
+             if getattr(args, p.name) is not None}
+    policy = given.get("policy", Settings.policy)
+    cls_params = {p.name for p in POLICIES[policy].params} if policy in POLICIES else set()
     params = {}
     for name in declared_params():
         value = getattr(args, f"param_{name}", None)
         if value is None:
             continue
         if name not in cls_params:
-            raise CLIError(f"--{name.replace('_', '-')} does not apply to policy {args.policy}")
+            raise CLIError(f"--{name.replace('_', '-')} does not apply to policy {policy}")
         params[name] = value
-    return Settings(policy=args.policy, params=params, budget=args.budget, sink=args.sink, window=args.window,
-                    slack=args.slack, groups=args.groups, positions=args.positions, aggregate=args.aggregate)
+    return Settings(params=params, **given)
+
+
+def sampling_from_args(args) -> dict:
+    """The sampling settings given on the command line, parsed by their declarations (the rest left out)."""
+    return {p.name: p.parse(getattr(args, p.name)) for p in SAMPLING_SETTINGS if getattr(args, p.name) is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -88,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="chat in the terminal (streamed; /help for commands)")
     _model_args(chat)
     _cache_args(chat)
-    _sampling_args(chat, temperature=0.7)
+    _sampling_args(chat)
     chat.add_argument("--system", default=None, help="system prompt (default: the model's own)")
     chat.add_argument("--resume", type=int, default=None, metavar="ID", help="continue a saved conversation")
 
@@ -96,14 +118,14 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("scripts", nargs="+", help="kvchat JSONL, ShareGPT JSON or MT-Bench JSONL files")
     _model_args(replay)
     _cache_args(replay)
-    _sampling_args(replay, temperature=0.0)
+    _sampling_args(replay, REPLAY_SAMPLING)
     replay.add_argument("--json", action="store_true", help="JSONL on stdout: one line per turn, then summaries")
     replay.add_argument("--no-save", action="store_true", help="do not store the conversations in the database")
 
     serve = sub.add_parser("serve", help="the web UI (Gradio) on http://127.0.0.1:7860")
     _model_args(serve)
     _cache_args(serve)
-    _sampling_args(serve, temperature=0.7)
+    _sampling_args(serve)
     g = serve.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1; any other needs --auth or --auth-file)")
@@ -142,20 +164,41 @@ def _db_path(arg: str | None) -> Path:
     return Path(arg).expanduser() if arg else kvchat_home() / "kvchat.db"
 
 
-def _load_model(args):
+def load_model(spec: str = "default", device: str = "auto", dtype: str = "auto", device_map: str | None = None,
+               chat_template: str | None = None):
+    """Load a chat model with transformers' own logging and progress bars silenced (the CLI and the benches)."""
     from transformers.utils import logging as hf_logging
 
     from ..core import models
 
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    return models.load(spec, device=device, dtype=dtype, device_map=device_map, chat_template=chat_template)
+
+
+def _prepare(args, sampling_defaults: dict | None = None, check_settings: bool = True):
+    """What chat, replay and serve do first: check the cache and sampling flags (what can be checked before the
+    model loads), load the model, then resolve the sampling settings against the model's own defaults (the
+    command's ``sampling_defaults`` apply where no flag is given) and, with ``check_settings``, check the cache
+    settings against the model. Returns (settings, sampling, model)."""
+    settings = settings_from_args(args)
+    settings.validate(max_positions=1 << 30)
+    given = {**(sampling_defaults or {}), **sampling_from_args(args)}
+    Sampling().changed(**given)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    return models.load(args.model, device=args.device, dtype=args.dtype, device_map=args.device_map,
+    model = load_model(args.model, device=args.device, dtype=args.dtype, device_map=args.device_map,
                        chat_template=args.chat_template)
+    sampling = Sampling.for_model(model, **given)
+    if check_settings:
+        settings.validate(model.max_positions, model.rotary_error)
+    return settings, sampling, model
+
+
+def _setting_line(p: Param) -> str:
+    return f"{p.flag} ({p.kind}, default {p.shown_default}): {p.help}"
 
 
 def cmd_policies(args) -> int:
-    d = Settings()
     if args.json:
         out = {name: {"summary": cls.summary, "bounded": cls.bounded,
                       "params": [{"name": p.name, "type": p.type.__name__, "default": p.default, "help": p.help,
@@ -167,8 +210,12 @@ def cmd_policies(args) -> int:
         print(f"{name:12s} {cls.summary}")
         for p in cls.params:
             print(f"{'':12s}   --{p.name.replace('_', '-')} ({p.type.__name__}, default {p.default}): {p.help}")
-    print(f"\ncache flags (every policy): --budget {d.budget} --sink {d.sink} --window budget/4 "
-          f"--slack max(64,budget/8) --groups token|sentence|turn --positions rerotate|original")
+    print("\ncache settings (every policy; /set in the chat, the settings panel in the web UI):")
+    for p in CACHE_SETTINGS:
+        print(f"  {_setting_line(p)}")
+    print("\nsampling settings:")
+    for p in SAMPLING_SETTINGS:
+        print(f"  {_setting_line(p)}")
     return 0
 
 
@@ -229,16 +276,12 @@ def _fmt_row(script_i: int, r) -> str:
 def cmd_replay(args) -> int:
     from tqdm import tqdm
 
-    from ..core.session import Sampling, Session
+    from ..core.session import Session
     from ..storage.db import Store
     from .replay import TURN_FIELDS, Summary, load_scripts, run_step
 
     scripts = [s for path in args.scripts for s in load_scripts(path)]
-    settings = settings_from_args(args)
-    settings.validate(max_positions=1 << 30)  # what can be checked before the model loads
-    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p).validate()
-    cm = _load_model(args)
-    settings.validate(cm.max_positions, cm.rotary_error)
+    settings, sampling, model = _prepare(args, REPLAY_SAMPLING)
     store = None if args.no_save else Store(_db_path(args.db))
     overall = Summary()
     n_steps = sum(len(s.steps) for s in scripts)
@@ -247,7 +290,7 @@ def cmd_replay(args) -> int:
         tqdm.write("  # turn prompt   new  cache  cache_MB evicted prefill  ms/tok  answer", file=sys.stderr)
     session = None
     for si, script in enumerate(scripts):
-        session = Session(cm, settings, system=script.system or "default", store=store, sampling=sampling,
+        session = Session(model, settings, system=script.system or "default", store=store, sampling=sampling,
                           seed=args.seed, title=Path(script.name).name)
         summary = Summary()
         for step in script.steps:
@@ -281,13 +324,42 @@ def _human_summary(s: dict) -> str:
             f"hits {s['hits']}/{s['expected']}{nll}, {s['wall_s']:.1f} s, peak RSS {s['peak_rss_mb']:.0f} MB")
 
 
-CHAT_HELP = """commands:
-  /policy NAME [key=value ...]   switch policy (parameters optional)
-  /budget N                      change the budget (a smaller one compresses now)
-  /set key=value ...             change sink, window, slack, groups, positions, aggregate
-  /stats                         cache and conversation statistics
-  /save                          write a cache snapshot now
-  /help, /quit                   (a line ending in \\ continues on the next line; Ctrl-C stops a reply)"""
+def _chat_help() -> str:
+    lines = ["commands:",
+             "  /policy NAME [key=value ...]   switch policy (parameters optional)",
+             "  /budget N                      change the budget (a smaller one compresses now)",
+             "  /set key=value ...             change settings (below), e.g. /set temperature=0.3 top_k=40",
+             "  /stats                         cache and conversation statistics",
+             "  /save                          write a cache snapshot now",
+             "  /help, /quit                   (a line ending in \\ continues on the next line; Ctrl-C stops a reply)",
+             "settings for /set (cache, then sampling):"]
+    for p in (*CACHE_SETTINGS, *SAMPLING_SETTINGS):
+        key = f"{p.name}={p.kind}"
+        lines.append(f"  {key:30s} {p.help} (default {p.shown_default})")
+    return "\n".join(lines)
+
+
+CHAT_HELP = _chat_help()
+SETTABLE = {p.name: p for p in (*CACHE_SETTINGS, *SAMPLING_SETTINGS)}
+
+
+def _set(session, pairs: list[str]) -> dict:
+    """``/set key=value ...``: every value parsed first, then the cache settings (``configure``, which checks the
+    combination) and the sampling settings applied; ValueError and nothing applied on any bad value."""
+    cache, sampling = {}, {}
+    for kv in pairs:
+        if "=" not in kv:
+            raise CLIError(f"/set takes key=value, got {kv!r}")
+        k, v = kv.split("=", 1)
+        if k not in SETTABLE:
+            raise CLIError(f"/set cannot change {k!r} (/help lists the settings)")
+        p = SETTABLE[k]
+        (cache if p in CACHE_SETTINGS else sampling)[k] = parse_setting(p, v)
+    new_sampling = session.sampling.changed(**sampling)
+    applied = session.configure(**cache) if cache else {}
+    before = session.sampling
+    session.sampling = new_sampling
+    return {**applied, **{k: v for k, v in new_sampling.as_dict().items() if getattr(before, k) != v}}
 
 
 def _chat_command(session, line: str) -> bool:
@@ -307,25 +379,16 @@ def _chat_command(session, line: str) -> bool:
         path = session.save_snapshot()
         print(f"  snapshot: {path}" if path else "  nothing to save yet")
     elif cmd in ("policy", "budget", "set"):
-        changes: dict = {}
         if cmd == "policy":
             if not rest:
                 raise CLIError(f"/policy needs a name: {', '.join(POLICIES)}")
-            changes["policy"] = rest[0]
-            changes["params"] = dict(kv.split("=", 1) for kv in rest[1:] if "=" in kv)
+            applied = session.configure(policy=rest[0], params=dict(kv.split("=", 1) for kv in rest[1:] if "=" in kv))
         elif cmd == "budget":
             if len(rest) != 1 or not rest[0].isdigit():
                 raise CLIError("/budget needs one number")
-            changes["budget"] = int(rest[0])
+            applied = session.configure(budget=int(rest[0]))
         else:
-            for kv in rest:
-                if "=" not in kv:
-                    raise CLIError(f"/set takes key=value, got {kv!r}")
-                k, v = kv.split("=", 1)
-                if k not in ("sink", "window", "slack", "groups", "positions", "aggregate"):
-                    raise CLIError(f"/set cannot change {k!r}")
-                changes[k] = int(v) if k in ("sink", "window", "slack") else v
-        applied = session.configure(**changes)
+            applied = _set(session, rest)
         print(f"  applied: {applied}" if applied else "  no change")
     else:
         raise CLIError(f"unknown command /{cmd} (/help lists them)")
@@ -360,7 +423,6 @@ def parse_auth(auth: str | None, auth_file: str | None) -> list[tuple[str, str]]
 
 
 def cmd_serve(args) -> int:
-    from ..core.session import Sampling
     from ..storage.db import Store
 
     logins = parse_auth(args.auth, args.auth_file)
@@ -373,39 +435,32 @@ def cmd_serve(args) -> int:
         raise CLIError(f"--port must be between 1 and 65535, got {args.port}")
     if args.max_sessions < 1 or args.max_cache_mb <= 0:
         raise CLIError("--max-sessions and --max-cache-mb must be positive")
-    settings = settings_from_args(args)
-    settings.validate(max_positions=1 << 30)
-    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p).validate()
-    cm = _load_model(args)
-    settings.validate(cm.max_positions, cm.rotary_error)
+    settings, sampling, model = _prepare(args)
     from .sessions import SessionManager
     from .web import serve
 
-    manager = SessionManager(cm, Store(_db_path(args.db)), settings, sampling, system=args.system or "default",
+    manager = SessionManager(model, Store(_db_path(args.db)), settings, sampling, system=args.system or "default",
                              max_sessions=args.max_sessions, max_cache_bytes=int(args.max_cache_mb * 2**20))
-    serve(manager, cm.name, host=args.host, port=args.port, auth=logins, share=args.share)
+    serve(manager, model.name, host=args.host, port=args.port, auth=logins, share=args.share)
     return 0
 
 
 def cmd_chat(args) -> int:
-    from ..core.session import Sampling, Session
+    from ..core.session import Session
     from ..storage.db import Store
 
-    settings = settings_from_args(args)
-    settings.validate(max_positions=1 << 30)  # what can be checked before the model loads
-    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p).validate()
-    cm = _load_model(args)
+    # A resumed conversation keeps its stored settings: the cache flags are then checked only on their own.
+    settings, sampling, model = _prepare(args, check_settings=args.resume is None)
     store = Store(_db_path(args.db))
     if args.resume is not None:
-        session = Session.resume(cm, store, args.resume, sampling=sampling)
+        session = Session.resume(model, store, args.resume, sampling=sampling)
         print(f"resumed conversation {args.resume} ({len(session.messages)} messages, cache restored from "
               f"{session.restored_from}, {session.cache_tokens} tokens)", file=sys.stderr)
     else:
-        settings.validate(cm.max_positions, cm.rotary_error)
-        session = Session(cm, settings, system=args.system or "default", store=store, sampling=sampling,
+        session = Session(model, settings, system=args.system or "default", store=store, sampling=sampling,
                           seed=args.seed)
     s = session.settings
-    print(f"{cm.name} | policy {s.policy} | budget {s.budget} | groups {s.groups} | positions {s.positions} | "
+    print(f"{model.name} | policy {s.policy} | budget {s.budget} | groups {s.groups} | positions {s.positions} | "
           "/help for commands", file=sys.stderr)
     try:
         while True:

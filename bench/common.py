@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import math
 import os
 import platform
 import sys
@@ -18,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from ..app.cli import load_model  # noqa: F401  (the one model loader, shared with the CLI)
 
 #: ../shared/data beside the repository (override with --data or KVCHAT_DATA).
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -45,14 +46,10 @@ def read_text(data: Path, name: str) -> str:
     raise ValueError(f"unknown text {name!r}: pg19 or wikitext")
 
 
-def load_model(spec: str):
-    from transformers.utils import logging as hf_logging
-
-    from ..core import models
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    return models.load(spec)
+def kv_bytes(session) -> int:
+    """Bytes of the keys and values the session's cache has allocated, over all layers (without the per-slot
+    positions and statistics that ``cache_now()["cache_bytes"]`` also counts)."""
+    return sum(layer.kv_bytes for layer in session.cache.layers)  # until the engine offers this reading itself
 
 
 def machine() -> dict:
@@ -60,10 +57,6 @@ def machine() -> dict:
             "python": platform.python_version(), "platform": platform.platform(),
             "processor": platform.processor() or platform.machine(),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
-
-
-def ppl(nll: torch.Tensor) -> float:
-    return math.exp(float(nll.mean())) if nll.numel() else float("nan")
 
 
 def save_figure(fig, path: Path, plt) -> Path:

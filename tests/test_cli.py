@@ -12,7 +12,7 @@ from kvchat.app.replay import ScriptError, load_scripts
 from kvchat.storage.db import Store
 from tinymodels import build_tiny
 
-from conftest import SHARED
+from helpers import SHARED
 
 SCRIPT = [
     {"system": "You are terse."},
@@ -228,3 +228,62 @@ def test_policy_parameters_become_flags(param_policy, model_dir, tmp_path, capsy
     code, out, _ = _run(capsys, "replay", script, "--model", model_dir, "--policy", "oldest-test", "--keep-bias",
                         "0.5", "--budget", 48, "--window", 8, "--no-save", "--json")
     assert code == 0 and json.loads(out.splitlines()[-1])["summary"]["params"]["keep_bias"] == 0.5
+
+
+def test_help_shows_each_value_kind_and_default(capsys):
+    from kvchat.app.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["replay", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "PARAM_" not in out
+    for usage in ("--heavy INT", "--pool {max,avg}", "--budget INT", "--window INT", "--groups {token,sentence,turn}",
+                  "--temperature FLOAT", "--top-k INT", "--repetition-penalty FLOAT", "--average BOOL"):
+        assert f"[{usage}]" in out, usage
+    assert "(policies: h2o; default 0)" in out and "(default budget/4)" in out
+    assert "(default 0.0)" in out  # replay is greedy unless told otherwise
+
+
+def test_sampling_flags_are_left_to_the_model_unless_given():
+    from kvchat.app.cli import REPLAY_SAMPLING, build_parser, sampling_from_args, settings_from_args
+    from kvchat.core.settings import Sampling, Settings
+
+    args = build_parser().parse_args(["chat"])
+    assert sampling_from_args(args) == {} and settings_from_args(args) == Settings()
+    args = build_parser().parse_args(["replay", "x.jsonl", "--top-k", "40", "--min-p", "0.05", "--window", "",
+                                      "--budget", "256"])
+    assert sampling_from_args(args) == {"top_k": 40, "min_p": 0.05}
+    assert settings_from_args(args).window is None and settings_from_args(args).budget == 256
+    assert REPLAY_SAMPLING == {"temperature": 0.0}
+    assert Sampling().changed(**{**REPLAY_SAMPLING, **sampling_from_args(args)}).greedy
+    for bad, message in ((["--top-k", "x"], "top_k must be a whole number"), (["--budget", "0"], "budget must be >= 1"),
+                         (["--groups", "word"], "groups must be one of token, sentence, turn")):
+        with pytest.raises(ValueError, match=message):
+            a = build_parser().parse_args(["chat", *bad])
+            settings_from_args(a), sampling_from_args(a)
+
+
+def test_chat_set_changes_cache_and_sampling_settings(tiny, capsys):
+    from kvchat.app.cli import CHAT_HELP, _chat_command
+    from kvchat.core.session import Session
+    from kvchat.core.settings import CACHE_SETTINGS, SAMPLING_SETTINGS, Settings
+
+    for p in (*CACHE_SETTINGS, *SAMPLING_SETTINGS):
+        assert f"  {p.name}={p.kind}" in CHAT_HELP
+    session = Session(tiny("llama"), Settings(budget=64, window=8), system=None)
+    _chat_command(session, "/set temperature=0.3 top_k=40 groups=sentence window=")
+    out = capsys.readouterr().out
+    assert session.sampling.temperature == 0.3 and session.sampling.top_k == 40
+    assert session.settings.groups == "sentence" and session.settings.window is None
+    assert "'temperature': 0.3" in out and "'groups': 'sentence'" in out
+    before = (session.settings, session.sampling)
+    for line, message in (("/set top_k=-1 sink=2", "top_k must be >= 0"),
+                          ("/set sink=2 temperature=hot", "temperature must be a finite number"),
+                          ("/set temperature=0.1 window=100", "must be at least sink \\+ window"),
+                          ("/set colour=red", "cannot change 'colour'"),
+                          ("/set policy=nope", "unknown policy 'nope'")):
+        with pytest.raises(ValueError, match=message):
+            _chat_command(session, line)
+        assert (session.settings, session.sampling) == before, line
+    _chat_command(session, "/set temperature=0.3")
+    assert "no change" in capsys.readouterr().out
