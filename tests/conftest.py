@@ -20,8 +20,6 @@ from tinymodels import build_tiny  # noqa: E402
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
 
 @pytest.fixture(scope="session")
 def default_dir() -> Path:

@@ -8,7 +8,7 @@ import pytest
 from kvchat.app.cli import main
 from kvchat.bench import cli as bench_cli
 
-from conftest import SHARED
+from helpers import SHARED
 
 
 def _exit_code(argv):

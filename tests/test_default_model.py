@@ -8,7 +8,7 @@ import torch
 from kvchat.core.session import Sampling, Session
 from kvchat.core.settings import Settings
 
-from conftest import SHARED
+from helpers import SHARED
 
 pytestmark = pytest.mark.model
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 CHROMIUM = "/usr/bin/chromium"
 OUT = Path(os.environ.get("KVCHAT_TEST_OUTPUT", REPO / "test-output")) / "screenshots"
