@@ -3,6 +3,9 @@
 Names: ppl, recall, speed, memory, headaware, kvpress, ``all`` (each in turn, one model load) and ``report``
 (regenerate RESULTS.md and plots from the JSON present). ``--quick`` runs CI's small sizes and asserts only the
 sanity checks; a failed sanity check ends the command with status 1 and a one-line message.
+
+Full runs write under ``docs/`` (the committed results) unless ``--out`` says otherwise; quick runs write under
+``$KVCHAT_HOME/bench-quick`` unless ``--out`` is given, so they never overwrite the committed results.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from ..policies import POLICIES
 ORDER = ("ppl", "recall", "speed", "memory", "headaware", "kvpress")
 EXIT_SANITY = 1
 NON_NEGATIVE = ("sinks", "margin", "recompute_lengths", "seed")  # integer options where 0 is meaningful
+DOCS = "docs"  # full runs' default output: the committed results
+QUICK_DIR = "bench-quick"  # quick runs' default output, under $KVCHAT_HOME
 
 
 def _module(name: str):
@@ -26,7 +31,9 @@ def _module(name: str):
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="CI sizes: a few minutes in all, sanity checks asserted")
-    p.add_argument("--out", default="docs", help="output folder: results/*.json, plots/*.png, RESULTS.md")
+    p.add_argument("--out", default=None,
+                   help=f"output folder: results/*.json, plots/*.png, RESULTS.md (default: {DOCS}; with --quick "
+                        f"$KVCHAT_HOME/{QUICK_DIR}, leaving the committed results alone)")
     p.add_argument("--json", action="store_true", help="also print the result JSON on stdout (one line per bench)")
     p.add_argument("--model", default="default", help="Hugging Face id, local directory or .gguf file")
 
@@ -43,7 +50,19 @@ def add_parser(sub) -> None:
         mod.add_arguments(p)
     _common(names.add_parser("all", help="every benchmark in turn (one model load), then the report"))
     p = names.add_parser("report", help="regenerate RESULTS.md and the plots from the JSON present")
-    p.add_argument("--out", default="docs")
+    p.add_argument("--out", default=DOCS)
+
+
+def output_dir(args) -> Path:
+    """Where a run writes: ``--out`` when given; else ``$KVCHAT_HOME/bench-quick`` for a quick run (never the
+    committed ``docs/``) and ``docs`` for a full one."""
+    if args.out is not None:
+        return Path(args.out)
+    if getattr(args, "quick", False):
+        from ..core.models import kvchat_home
+
+        return kvchat_home() / QUICK_DIR
+    return Path(DOCS)
 
 
 def _defaults(mod) -> dict:
@@ -98,7 +117,7 @@ def command_line(name: str, args, ns=None, mod=None) -> str:
             if value != default and not (args.quick and value == mod.QUICK.get(k)):
                 flag = "--" + k.replace("_", "-")
                 parts += [flag] + ([str(v) for v in value] if isinstance(value, list) else [str(value)])
-    if args.out != "docs":
+    if args.out is not None and not (args.out == DOCS and not args.quick):
         parts += ["--out", str(args.out)]
     return " ".join(parts)
 
@@ -107,7 +126,7 @@ def run(args) -> int:
     from . import report
     from .common import Run, SanityError, load_model, log
 
-    out = Path(args.out)
+    out = output_dir(args)
     modules = [_module(n) for n in ORDER]
     if args.bench == "report":
         if not (out / "results").is_dir():
@@ -116,6 +135,8 @@ def run(args) -> int:
         return 0
     chosen = modules if args.bench == "all" else [_module(args.bench)]
     plans = [(mod, _resolve(mod, args)) for mod in chosen]  # every option checked before the model loads
+    if args.quick and args.out is None:
+        log(f"quick run: writing to {out} (the committed {DOCS}/ is left alone; --out {DOCS} to replace it)")
     cm = load_model(args.model)
     failed = []
     for mod, ns in plans:

@@ -2,13 +2,14 @@
 report section with its sanity checks held (on the real default model)."""
 
 import json
+import shutil
 
 import pytest
 
 from kvchat.app.cli import main
 from kvchat.bench import cli as bench_cli
 
-from helpers import SHARED
+from helpers import REPO, SHARED
 
 
 def _exit_code(argv):
@@ -50,6 +51,47 @@ def test_quick_sizes_apply_only_where_left_at_default():
     ns = bench_cli._resolve(ppl, args)
     assert ns.tokens == 777  # set by the user
     assert ns.grid_tokens == ppl.QUICK["grid_tokens"] and ns.budgets == ppl.QUICK["budgets"]
+
+
+def test_out_defaults_keep_quick_runs_out_of_docs(tmp_path, monkeypatch):
+    import argparse
+
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))
+    ns = argparse.Namespace
+    assert bench_cli.output_dir(ns(quick=True, out=None)) == tmp_path / "bench-quick"
+    assert str(bench_cli.output_dir(ns(quick=False, out=None))) == "docs"
+    assert str(bench_cli.output_dir(ns(quick=True, out="docs"))) == "docs"  # asked for explicitly
+    assert bench_cli.command_line("all", ns(quick=True, out=None, model="default")) == "kvchat bench all --quick"
+    assert bench_cli.command_line("all", ns(quick=True, out="docs", model="default")).endswith("--quick --out docs")
+    assert bench_cli.command_line("all", ns(quick=False, out="docs", model="default")) == "kvchat bench all"
+
+
+def _snapshot(folder):
+    return {p.relative_to(folder): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(folder.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.model
+def test_quick_run_without_out_leaves_the_committed_results_alone(default_dir, tmp_path, capsys, monkeypatch):
+    """A quick run writes to $KVCHAT_HOME/bench-quick, not over docs/ (a copy of the committed docs/ in the
+    working directory, which is where the default ``docs`` resolves, so a regression cannot touch the real one)."""
+    work, home = tmp_path / "work", tmp_path / "home"
+    shutil.copytree(REPO / "docs", work / "docs")
+    before = _snapshot(work / "docs")
+    assert any(p.parts[0] == "results" for p in before) and "RESULTS.md" in {str(p) for p in before}
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("KVCHAT_HOME", str(home))
+    monkeypatch.setenv("KVCHAT_DATA", str(SHARED))
+    # The cheapest bench, smaller still: enough turns to fill a small cache.
+    code = main(["bench", "memory", "--quick", "--turns", "12", "--budget", "64", "--model", str(default_dir)])
+    err = capsys.readouterr().err
+    assert code == 0, err[-2000:]
+    after = _snapshot(work / "docs")
+    assert [str(p) for p in sorted(set(before) | set(after)) if before.get(p) != after.get(p)] == []  # none changed
+    scratch = home / "bench-quick"
+    assert f"quick run: writing to {scratch}" in err
+    assert json.loads((scratch / "results" / "memory.json").read_text())["quick"]
+    assert (scratch / "RESULTS.md").is_file()
 
 
 def test_slope_and_segment_ppl():
