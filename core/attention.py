@@ -22,7 +22,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-from .cache import RaggedKV
+from .layer import RaggedKV
 
 ATTN_IMPLEMENTATION = "kvchat"
 

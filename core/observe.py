@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from .attention import causal_mask
-from .cache import KVCache, RaggedKV
+from .cache import KVCache
+from .layer import RaggedKV
 from .positions import Rotary
 
 
