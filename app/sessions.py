@@ -2,8 +2,8 @@
 
 Each browser tab (Gradio session) gets its own ``Session`` and cache. The manager bounds how many exist at once
 and how many cache bytes they may reserve: a bounded session reserves budget + slack positions (twice: the undo
-copy of the last turn), a ``full`` one the model's max positions. A conversation is held by one tab at a time;
-opening it in a second tab moves it there (its cache is saved to a snapshot first).
+copy of the last turn), an unbounded one (``full``) the model's max positions. A conversation is held by one tab
+at a time; opening it in a second tab moves it there (its cache is saved to a snapshot first).
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ class SessionManager:
 
     def reserve(self, settings: Settings) -> int:
         """Bytes a session with ``settings`` may come to hold (its cache and the undo copy)."""
-        bounded = settings.capacity if settings.policy != "full" else self.model.max_positions
-        return 2 * bounded * self.per_position_bytes()
+        positions = settings.capacity if settings.bounded else self.model.max_positions
+        return 2 * positions * self.per_position_bytes()
 
     def reserved(self, exclude: str | None = None) -> int:
         with self._lock:
@@ -109,8 +109,7 @@ class SessionManager:
             if holder is not None:
                 if self.entries[holder].busy:
                     raise CapacityError("that conversation is generating a reply in another tab; wait for it to end")
-            known = Settings.__dataclass_fields__
-            settings = Settings(**{k: v for k, v in conv["settings"].items() if k in known})
+            settings = Settings.from_dict(conv["settings"])
             self.check_room(key, settings, new=holder is None)
             if holder is not None:
                 self.release(holder)
@@ -137,8 +136,10 @@ class SessionManager:
             entry.session.save_snapshot()
 
     def _sampling(self, key: str) -> Sampling:
+        """The sampling settings a new session in tab ``key`` starts with: those of the tab's session (frozen, so
+        shared safely), else the server's."""
         entry = self.entries.get(key)
-        return Sampling(**vars(entry.session.sampling)) if entry else Sampling(**vars(self.sampling))
+        return entry.session.sampling if entry else self.sampling
 
     def holder(self, conversation_id: int) -> str | None:
         with self._lock:

@@ -1,6 +1,7 @@
 """What the web UI draws: charts of the cache over the conversation, and the conversation as the cache holds it.
 
-Everything here reads a session (under its lock, through its public methods) and the store; nothing changes them.
+Everything here reads a session through its locked read methods (``core/reading.py``) and the store; nothing
+changes them.
 """
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ import html
 from dataclasses import dataclass
 
 import plotly.graph_objects as go
-import torch
 from plotly.subplots import make_subplots
 
-from ..core.session import ROLES, Session
+from ..core.session import Session
+from ..policies import POLICIES
 from ..storage.db import Store
 
 VIEW_TOKENS = 30000  # the cache view shows at most this many of the most recent tokens
@@ -38,6 +39,12 @@ def _change_label(changes: dict) -> str:
     return " · ".join(shown) or "settings"
 
 
+def _bounded(policy: str) -> bool:
+    """Whether a stored turn's policy evicts (a policy this version does not know counts as bounded)."""
+    cls = POLICIES.get(policy)
+    return cls is None or cls.bounded
+
+
 def charts(session: Session, store: Store, rss: dict[int, float], per_position: int, live: Live | None = None):
     """The cache over the conversation: tokens and bytes against the budget, evictions, decode speed, process
     memory, per-layer budgets; a dashed marker where settings changed."""
@@ -45,8 +52,8 @@ def charts(session: Session, store: Store, rss: dict[int, float], per_position: 
     changes = store.settings_changes(session.conversation_id) if session.conversation_id is not None else []
     rows = [r for r in rows if r["role"] != "system"]
     turns = [r["turn"] for r in rows]
-    budgets = [r["settings"]["budget"] if r["policy"] != "full" else None for r in rows]
-    caps = [r["settings"]["budget"] + r["settings"]["slack"] if r["policy"] != "full" else None for r in rows]
+    budgets = [r["settings"]["budget"] if _bounded(r["policy"]) else None for r in rows]
+    caps = [r["settings"]["budget"] + r["settings"]["slack"] if _bounded(r["policy"]) else None for r in rows]
     tokens = [r["cache_tokens"] for r in rows]
     mbytes = [r["cache_bytes"] / MB for r in rows]
     speed = [1000 / r["decode_ms_per_token"] if r["decode_ms_per_token"] else None for r in rows]
@@ -56,9 +63,9 @@ def charts(session: Session, store: Store, rss: dict[int, float], per_position: 
     if live is not None:
         turns, tokens, mbytes = turns + [live.turn], tokens + [live.cache_tokens], mbytes + [live.cache_bytes / MB]
         speed = speed + [live.tokens_per_s]
-        bounded = session.policy.bounded
-        budgets = budgets + [session.settings.budget if bounded else None]
-        caps = caps + [session.settings.capacity if bounded else None]
+        settings = session.settings
+        budgets = budgets + [settings.budget if settings.bounded else None]
+        caps = caps + [settings.capacity if settings.bounded else None]
         rss_turns, rss_vals = rss_turns + [live.turn], rss_vals + [live.rss_mb]
 
     fig = make_subplots(rows=2, cols=3, horizontal_spacing=0.07, vertical_spacing=0.16, subplot_titles=(
@@ -88,14 +95,14 @@ def charts(session: Session, store: Store, rss: dict[int, float], per_position: 
         fig.add_trace(go.Scatter(x=layers, y=allocated, name="layer budget", mode="markers",
                                  marker=dict(color="#d62728", symbol="line-ew-open", size=12, line=dict(width=2)),
                                  showlegend=False), 2, 3)
-    changed = rows and (session.cache.mean_length, session.cache_bytes) != (rows[-1]["cache_tokens"],
-                                                                           rows[-1]["cache_bytes"])
+    now = session.cache_now()
+    changed = rows and (now["cache_tokens"], now["cache_bytes"]) != (rows[-1]["cache_tokens"], rows[-1]["cache_bytes"])
     if live is None and changed:
         # The cache changed since the last turn (a live settings change compressed it): show where it is now.
-        now = dict(mode="markers", marker=dict(symbol="star", size=11, color="#ff7f0e"))
-        fig.add_trace(go.Scatter(x=[session.turn - 0.5], y=[session.cache.mean_length], name="now", **now), 1, 1)
-        fig.add_trace(go.Scatter(x=[session.turn - 0.5], y=[session.cache_bytes / MB], name="now MB",
-                                 showlegend=False, **now), 1, 2)
+        star = dict(mode="markers", marker=dict(symbol="star", size=11, color="#ff7f0e"))
+        fig.add_trace(go.Scatter(x=[now["turn"] - 0.5], y=[now["cache_tokens"]], name="now", **star), 1, 1)
+        fig.add_trace(go.Scatter(x=[now["turn"] - 0.5], y=[now["cache_bytes"] / MB], name="now MB",
+                                 showlegend=False, **star), 1, 2)
     by_turn: dict[int, list[str]] = {}
     for change in changes:
         by_turn.setdefault(change["turn"], []).append(_change_label(change["changes"]))
@@ -116,9 +123,8 @@ def charts(session: Session, store: Store, rss: dict[int, float], per_position: 
 
 def layer_lengths(session: Session) -> tuple[list[float], list[float] | None]:
     """Mean positions held per layer now, and the policy's per-layer allocation if it has one."""
-    with session._lock:
-        held = [sum(layer.lens) / layer.heads if layer.is_initialized else 0.0 for layer in session.cache.layers]
-        report = session.policy.report()
+    held = session.layer_lengths()
+    report = session.policy_report()
     if report.get("layer_budgets"):
         return held, [float(b) for b in report["layer_budgets"]]
     if report.get("head_budgets"):
@@ -131,7 +137,7 @@ CLASS_COLORS = {"retrieval": "#1f77b4", "induction": "#ff7f0e", "local": "#2ca02
 
 def head_map(session: Session):
     """The head-aware policy's class per layer and KV head (None for other policies or before its first pass)."""
-    report = session.policy.report()
+    report = session.policy_report()
     classes = report.get("head_classes")
     if not classes:
         return None
@@ -152,16 +158,13 @@ def head_map(session: Session):
 
 def cache_view(session: Session) -> str:
     """The conversation as the model sees it: text the cache holds in every head, in some heads, or in none."""
-    with session._lock:
-        n = session.log.n
-        held = session.held_fraction()
-        tokens = session.log.column("token").tolist()
-        message = session.log.column("message").tolist()
-        role = session.log.column("role").tolist()
+    rows = session.token_rows()
+    tokens, message, role = rows["token"], rows["message"], rows["role"]
+    n = len(tokens)
     if n == 0:
         return '<div class="kv-cacheview"><p class="kv-summary">Nothing cached yet.</p></div>'
     start = max(0, n - VIEW_TOKENS)
-    levels = [2 if h >= 0.9999 else 1 if h > 0 else 0 for h in held.tolist()]
+    levels = [2 if h >= 0.9999 else 1 if h > 0 else 0 for h in rows["held"]]
     seen = sum(1 for h in levels if h)
     full = sum(1 for h in levels if h == 2)
     tok = session.model.tokenizer
@@ -175,7 +178,7 @@ def cache_view(session: Session) -> str:
             if open_msg is not None:
                 parts.append("</div>")
             open_msg = message[i]
-            r = ROLES[role[i]]
+            r = role[i]
             parts.append(f'<div class="kv-msg kv-{r}"><span class="kv-role">{r}</span>')
         j = i
         while j < n and message[j] == open_msg and levels[j] == levels[i]:
@@ -189,21 +192,11 @@ def cache_view(session: Session) -> str:
 
 def message_tokens(session: Session) -> list[int]:
     """Tokens per message (as the template rendered it), by message index."""
-    with session._lock:
-        column = session.log.column("message").long()
-        count = len(session.messages)
-    if column.numel() == 0:
-        return [0] * count
-    return torch.bincount(column, minlength=count)[:count].tolist()
+    return [m["tokens"] for m in session.read_messages()]
 
 
-def chat_messages(session: Session, in_progress: bool = False) -> list[dict]:
+def chat_messages(session: Session, in_progress: bool = True) -> list[dict]:
     """The conversation for the chat pane, each message with its token count (system prompt left out).
-    ``in_progress``: leave out the reply being generated (the caller draws it as it streams)."""
-    with session._lock:  # one consistent reading of messages and counts
-        counts = message_tokens(session)
-        messages = [dict(m) for m in session.messages]
-    if in_progress and messages and messages[-1]["role"] == "assistant":
-        messages.pop()
-    return [{"role": m["role"], "content": f"{m['content']}\n\n<sub>{counts[i]:,} tokens</sub>"}
-            for i, m in enumerate(messages) if m["role"] != "system"]
+    Without ``in_progress``, the reply being generated is left out (the caller draws it as it streams)."""
+    return [{"role": m["role"], "content": f"{m['content']}\n\n<sub>{m['tokens']:,} tokens</sub>"}
+            for m in session.read_messages(in_progress=in_progress) if m["role"] != "system"]

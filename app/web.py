@@ -1,8 +1,9 @@
 """``kvchat serve``: the Gradio web UI.
 
-Chat (streamed, stop, undo/retry), a settings panel generated from the policies' declared parameters that
-changes the live conversation, charts of the cache updated while a reply streams, the conversation as the cache
-holds it, and the saved conversations. Each browser tab has its own engine session (``SessionManager``); replies
+Chat (streamed, stop, undo/retry; Enter sends, Shift+Enter starts a new line), a settings panel generated from the
+declared settings (``core/settings.py``) and the policies' declared parameters that changes the live
+conversation, charts of the cache updated while a reply streams, the conversation as the cache holds it, and the
+saved conversations. Each browser tab has its own engine session (``SessionManager``); replies
 and conversation loads queue on the one model.
 """
 
@@ -13,13 +14,16 @@ import os
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # a local tool: no calls home
 
 import gradio as gr  # noqa: E402
 
-from ..core.session import ContextFullError, Sampling, rss_mb  # noqa: E402
-from ..policies import POLICIES, declared_params  # noqa: E402
+from ..core.session import ContextFullError, rss_mb  # noqa: E402
+from ..core.settings import CACHE_SETTINGS, SAMPLING_SETTINGS  # noqa: E402
+from ..policies import POLICIES, Param, declared_params, policy_class  # noqa: E402
+from .cli import parse_setting  # noqa: E402
 from .sessions import CapacityError, Entry, SessionManager  # noqa: E402
 from .views import Live, cache_view, charts, chat_messages, head_map  # noqa: E402
 
@@ -54,11 +58,56 @@ def _error(text: str) -> str:
     return f'<span class="kv-error">⚠ {text}</span>'
 
 
+def elem_id(p: Param) -> str:
+    """The settings widget's element id: kv-<name with dashes> (kv-max-new for max_new_tokens)."""
+    return "kv-max-new" if p.name == "max_new_tokens" else "kv-" + p.name.replace("_", "-")
+
+
+def _step(p: Param) -> float:
+    return 0.01 if p.max - p.min <= 1 else 0.05
+
+
+def widget(p: Param, value, **common):
+    """The input for one declared setting: its choices as a radio (up to three) or a dropdown, a checkbox for a
+    bool, a slider for a float declared with both bounds, else a number (whole for an int; empty means the derived
+    default where the setting has one) or a text box."""
+    if p.choices is not None:
+        choices = list(POLICIES) if p.name == "policy" else list(p.choices)  # registered ones, also later ones
+        return (gr.Radio if len(choices) <= 3 else gr.Dropdown)(choices, value=value, **common)
+    if p.type is bool:
+        return gr.Checkbox(value=bool(value), **common)
+    if p.type is float and p.min is not None and p.max is not None and p.derived is None:
+        step = _step(p)
+        low = 0 if p.min < step else p.min  # a slider from 1e-6 would offer 0.010001, 0.020001, ...
+        return gr.Slider(low, p.max, value=value, step=step, **common)
+    if p.type in (int, float):
+        placeholder = f"empty: {p.derived}" if p.derived is not None else None
+        return gr.Number(value, precision=0 if p.type is int else None, minimum=p.min, maximum=p.max,
+                         placeholder=placeholder, **common)
+    return gr.Textbox(value=value, **common)
+
+
+def _label(p: Param) -> str:
+    return p.name.replace("_", " ").capitalize()
+
+
+def on_change(box, fn, inputs, outputs, on_blur=None) -> None:
+    """Run ``fn`` when the user has finished changing ``box``: Enter or leaving a number or text field
+    (``on_blur`` then, if given), releasing a slider, picking a choice."""
+    if isinstance(box, (gr.Number, gr.Textbox)):
+        box.submit(fn, inputs, outputs)
+        box.blur(on_blur or fn, inputs, outputs)
+    elif isinstance(box, gr.Slider):
+        box.release(fn, inputs, outputs)
+    else:
+        box.input(fn, inputs, outputs)
+
+
 class WebApp:
-    """The UI's event handlers over a SessionManager; ``build()`` lays out the Blocks."""
+    """The UI's event handlers over a SessionManager; ``build()`` lays out the Blocks and wires the events."""
 
     def __init__(self, manager: SessionManager, model_name: str):
-        self.m = manager
+        self.manager = manager
         self.model_name = model_name
         self.params = declared_params()
         self.export_dir = Path(tempfile.mkdtemp(prefix="kvchat-export-"))
@@ -66,16 +115,18 @@ class WebApp:
     # -- the views one handler refreshes ----------------------------------------------------------------------------
     def _info(self, key: str, entry: Entry) -> str:
         s = entry.session
-        st = s.settings
+        st = s.stats()
+        cfg = st["settings"]
         conv = f"conversation #{s.conversation_id}" if s.conversation_id is not None else "new conversation"
-        limit = f"{st.capacity:,}" if s.policy.bounded else "—"
-        return (f"session `{key[:8]}` · {conv} · model {self.model_name} · **{st.policy}** budget {st.budget:,} "
-                f"({st.groups} groups, {st.positions} positions) · cache {s.cache.length:,} / {limit} positions, "
-                f"{s.cache_bytes / 2**20:.1f} MB · {s.total_tokens:,} tokens in the conversation")
+        limit = f"{st['capacity']:,}" if st["capacity"] is not None else "—"
+        return (f"session `{key[:8]}` · {conv} · model {self.model_name} · **{st['policy']}** budget "
+                f"{cfg['budget']:,} ({cfg['groups']} groups, {cfg['positions']} positions) · cache "
+                f"{st['cache_tokens']:,} / {limit} positions, {st['cache_bytes'] / 2**20:.1f} MB · "
+                f"{st['total_tokens']:,} tokens in the conversation")
 
     def _conversation_choices(self):
         out = []
-        for c in self.m.store.conversations():
+        for c in self.manager.store.conversations():
             when = (c["updated_at"] or "")[:16].replace("T", " ")
             label = (f"#{c['id']} {c['title']} · {c['total_tokens']:,} tokens · {c['settings'].get('policy', '?')} · "
                      f"{when}")
@@ -87,22 +138,24 @@ class WebApp:
         return gr.update(choices=self._conversation_choices(), value=value)
 
     def _charts(self, entry: Entry, live: Live | None = None):
-        return charts(entry.session, self.m.store, entry.rss_mb, self.m.per_position_bytes(), live)
+        return charts(entry.session, self.manager.store, entry.rss_mb, self.manager.per_position_bytes(), live)
 
     def _head_map(self, entry: Entry):
         fig = head_map(entry.session)
         return gr.update(value=fig, visible=fig is not None)
 
     def _settings_values(self, entry: Entry) -> list:
+        """The settings panel's values for the tab's session: cache settings, policy parameters (the running
+        policy's shown), sampling settings, the policy's summary."""
         s = entry.session.settings
-        values = [s.policy, s.budget, s.sink, s.window, s.slack, s.groups, s.positions, s.aggregate]
+        values = [getattr(s, p.name) for p in CACHE_SETTINGS]
         declared = {p.name for p in POLICIES[s.policy].params}
-        policy = entry.session.policy
+        policy_values = entry.session.stats()["params"]
         for name, (p, _) in self.params.items():
-            values.append(gr.update(value=policy.values.get(name, p.default) if name in declared else p.default,
+            values.append(gr.update(value=policy_values.get(name, p.default) if name in declared else p.default,
                                     visible=name in declared))
-        smp = entry.session.sampling
-        return values + [smp.max_new_tokens, smp.temperature, smp.top_p, POLICIES[s.policy].summary]
+        sampling = entry.session.sampling
+        return values + [getattr(sampling, p.name) for p in SAMPLING_SETTINGS] + [POLICIES[s.policy].summary]
 
     def _all(self, key: str, entry: Entry, status: str = "") -> list:
         """chat, charts, head map, cache view, conversations, status, info."""
@@ -116,17 +169,17 @@ class WebApp:
     def load(self, request: gr.Request):
         key = request.session_hash
         try:
-            entry = self.m.entry(key)
+            entry = self.manager.entry(key)
         except CapacityError as exc:
             return self._blank(str(exc)) + [gr.skip()] * self.n_settings
         return self._all(key, entry, "") + self._settings_values(entry)
 
     def unload(self, request: gr.Request):
-        self.m.release(request.session_hash)
+        self.manager.release(request.session_hash)
 
     def _entry(self, key: str) -> Entry:
-        note = key in self.m.moved
-        entry = self.m.entry(key)
+        note = key in self.manager.moved
+        entry = self.manager.entry(key)
         if note:
             gr.Info("This tab's conversation was opened in another tab; a new conversation started here.")
         return entry
@@ -161,13 +214,14 @@ class WebApp:
                 answer += delta
                 n += 1
                 if before is None:  # the finished messages (and the user's count) are drawn once per reply
-                    before = chat_messages(s, in_progress=True)
+                    before = chat_messages(s, in_progress=False)
                 now = time.perf_counter()
                 chart = gr.skip()
                 if now - last_chart >= CHART_EVERY_S:
                     last_chart = now
-                    with s._lock:
-                        live = Live(s.turn, s.cache.mean_length, s.cache_bytes, n / max(now - t0, 1e-6), rss_mb())
+                    cache = s.cache_now()
+                    live = Live(cache["turn"], cache["cache_tokens"], cache["cache_bytes"], n / max(now - t0, 1e-6),
+                                rss_mb())
                     chart = self._charts(entry, live)
                 yield [before + [{"role": "assistant", "content": answer + " ▌"}], gr.skip(), chart] + [gr.skip()] * 5
         finally:
@@ -183,7 +237,7 @@ class WebApp:
                self._conversations(entry), status, self._info(key, entry)]
 
     def stop(self, request: gr.Request):
-        entry = self.m.get(request.session_hash)
+        entry = self.manager.get(request.session_hash)
         if entry is not None:
             entry.session.cancel()
 
@@ -217,31 +271,27 @@ class WebApp:
         yield from self._stream(key, user)
 
     def apply_settings(self, request: gr.Request, *values, quiet: bool = False):
-        """Settings widgets -> the live session. Returns charts, head map, cache view, status, info."""
+        """Settings widgets (cache settings, then policy parameters) -> the live session. Every value is parsed by
+        its declaration first; a bad one is a visible error and nothing is applied. Returns charts, head map, cache
+        view, status, info."""
         key = request.session_hash
-        policy, budget, sink, window, slack, groups, positions, aggregate = values[:8]
-        raw = dict(zip(self.params, values[8:]))
+        cache_values, param_values = values[:len(CACHE_SETTINGS)], dict(zip(self.params, values[len(CACHE_SETTINGS):]))
         try:
             entry = self._entry(key)
-            cls = POLICIES[policy]
+            changes = {p.name: parse_setting(p, v) for p, v in zip(CACHE_SETTINGS, cache_values)}
             params = {}
-            for p in cls.params:
-                value = raw.get(p.name)
+            for p in policy_class(changes["policy"]).params:
+                value = param_values.get(p.name)
                 if value is None or value == "":
                     continue
                 value = p.parse(value)
                 if value != p.default:
                     params[p.name] = value
-            new = entry.session.settings.changed(
-                policy=policy, params=params, budget=_int(budget, "budget"), sink=_int(sink, "sink"),
-                window=_int(window, "window", optional=True), slack=_int(slack, "slack", optional=True),
-                groups=groups, positions=positions, aggregate=aggregate)
-            new.validate(self.m.model.max_positions, self.m.model.rotary_error)
-            self.m.check_room(key, new, new=False)
+            new = entry.session.settings.changed(params=params, **changes)
+            new.validate(self.manager.model.max_positions, self.manager.model.rotary_error)
+            self.manager.check_room(key, new, new=False)
             before = entry.session.settings.as_dict()
-            applied = entry.session.configure(**{k: getattr(new, k) for k in
-                                                 ("policy", "params", "budget", "sink", "window", "slack", "groups",
-                                                  "positions", "aggregate")})
+            applied = entry.session.configure(params=params, **changes)
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
             return [gr.skip()] * 3 + [_error(str(exc)), gr.skip()]
@@ -267,22 +317,26 @@ class WebApp:
         return [gr.update(value=p.default, visible=name in declared) for name, (p, _) in self.params.items()] + [
             POLICIES[policy].summary]
 
-    def sampling(self, max_new_tokens, temperature, top_p, request: gr.Request):
+    def sampling(self, request: gr.Request, *values):
+        """Sampling widgets (in ``SAMPLING_SETTINGS`` order) -> the session's sampling settings, each value parsed
+        by its declaration; a bad one is a visible error and nothing is applied. Returns the status."""
         try:
             entry = self._entry(request.session_hash)
-            smp = Sampling(max_new_tokens=_int(max_new_tokens, "max new tokens"),
-                           temperature=float(temperature), top_p=float(top_p)).validate()
-        except (USER_ERRORS + (TypeError,)) as exc:
+            given = {p.name: parse_setting(p, v) for p, v in zip(SAMPLING_SETTINGS, values)}
+            new = entry.session.sampling.changed(**given)
+        except USER_ERRORS as exc:
             gr.Warning(str(exc))
             return _error(str(exc))
-        entry.session.sampling = smp
-        return f"generation: up to {smp.max_new_tokens} new tokens, temperature {smp.temperature}, top-p {smp.top_p}"
+        entry.session.sampling = new
+        rest = ", ".join(f"{p.name.replace('_', '-')} {getattr(new, p.name)}" for p in SAMPLING_SETTINGS
+                         if p.name != "max_new_tokens")
+        return f"generation: up to {new.max_new_tokens} new tokens, {rest}"
 
     def new_conversation(self, system: str, request: gr.Request):
         key = request.session_hash
         try:
-            self._idle(self.m.get(key))
-            entry = self.m.new(key, system=system if system and system.strip() else None)
+            self._idle(self.manager.get(key))
+            entry = self.manager.new(key, system=system if system and system.strip() else None)
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
             return self._blank(str(exc)) + [gr.skip()] * self.n_settings
@@ -293,8 +347,8 @@ class WebApp:
         try:
             if conversation_id is None:
                 raise ValueError("choose a conversation in the list first")
-            self._idle(self.m.get(key))
-            entry = self.m.open(key, int(conversation_id))
+            self._idle(self.manager.get(key))
+            entry = self.manager.open(key, int(conversation_id))
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
             return self._blank(str(exc)) + [gr.skip()] * self.n_settings
@@ -307,10 +361,10 @@ class WebApp:
         try:
             if conversation_id is None:
                 raise ValueError("choose a conversation in the list first")
-            self.m.store.rename(int(conversation_id), title or "")
-            holder = self.m.holder(int(conversation_id))
+            self.manager.store.rename(int(conversation_id), title or "")
+            holder = self.manager.holder(int(conversation_id))
             if holder is not None:
-                self.m.get(holder).session.title = title.strip()
+                self.manager.get(holder).session.title = title.strip()
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
             return gr.skip(), _error(str(exc)), gr.skip()
@@ -322,15 +376,15 @@ class WebApp:
         try:
             if conversation_id is None:
                 raise ValueError("choose a conversation in the list first")
-            holder = self.m.holder(int(conversation_id))
+            holder = self.manager.holder(int(conversation_id))
             if holder is not None and holder != key:
                 raise ValueError(f"conversation #{conversation_id} is open in another tab")
             if holder == key:
-                self._idle(self.m.get(key))
-                self.m.store.delete(int(conversation_id))
-                entry = self.m.new(key)
+                self._idle(self.manager.get(key))
+                self.manager.store.delete(int(conversation_id))
+                entry = self.manager.new(key)
             else:
-                self.m.store.delete(int(conversation_id))
+                self.manager.store.delete(int(conversation_id))
                 entry = self._entry(key)
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
@@ -341,7 +395,7 @@ class WebApp:
         try:
             if conversation_id is None:
                 raise ValueError("choose a conversation in the list first")
-            lines = self.m.store.export_replay(int(conversation_id))
+            lines = self.manager.store.export_replay(int(conversation_id))
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
             return gr.update(visible=False), _error(str(exc))
@@ -351,131 +405,116 @@ class WebApp:
                 f"exported conversation #{conversation_id}: replay it with `kvchat replay {path.name}`")
 
     # -- layout -----------------------------------------------------------------------------------------------------
+    def _sidebar(self) -> SimpleNamespace:
+        """The saved conversations: new, open, delete, rename, export."""
+        ui = SimpleNamespace()
+        with gr.Sidebar(label="Conversations", open=True, elem_id="kv-sidebar"):
+            gr.Markdown("### Conversations")
+            ui.new = gr.Button("New conversation", variant="primary", elem_id="kv-new")
+            ui.system = gr.Textbox(label="System prompt for new conversations", lines=2,
+                                   placeholder="empty: the model's default", elem_id="kv-system")
+            ui.conversations = gr.Radio(label="Saved", choices=[], elem_id="kv-conversations")
+            with gr.Row():
+                ui.open = gr.Button("Open", size="sm", elem_id="kv-open")
+                ui.delete = gr.Button("Delete", size="sm", variant="stop", elem_id="kv-delete")
+            ui.title = gr.Textbox(label="New title", elem_id="kv-title")
+            with gr.Row():
+                ui.rename = gr.Button("Rename", size="sm", elem_id="kv-rename")
+                ui.export = gr.Button("Export replay JSONL", size="sm", elem_id="kv-export")
+            ui.export_file = gr.File(label="Replay script", visible=False, elem_id="kv-export-file")
+        return ui
+
+    def _chat(self) -> SimpleNamespace:
+        """The chat, its message box and buttons, and the tabs of charts and of what the cache holds."""
+        ui = SimpleNamespace()
+        ui.chatbot = gr.Chatbot(label="Chat", height=460, elem_id="kv-chat", sanitize_html=True, render_markdown=True,
+                                buttons=["copy"])
+        # One line that grows to twelve: Gradio submits a one-line box on Enter, and Shift+Enter adds a line.
+        ui.text = gr.Textbox(show_label=False, lines=1, max_lines=12, elem_id="kv-input",
+                             placeholder="Message (Shift+Enter for a new line)")
+        with gr.Row():
+            ui.send = gr.Button("Send", variant="primary", elem_id="kv-send")
+            ui.stop = gr.Button("Stop", variant="stop", elem_id="kv-stop")
+            ui.retry = gr.Button("Retry", elem_id="kv-retry")
+            ui.undo = gr.Button("Undo", elem_id="kv-undo")
+        with gr.Tabs():
+            with gr.Tab("Charts", elem_id="kv-tab-charts"):
+                ui.plot = gr.Plot(show_label=False, elem_id="kv-charts")
+                ui.heads = gr.Plot(show_label=False, visible=False, elem_id="kv-heads")
+            with gr.Tab("What the cache holds", elem_id="kv-tab-cache"):
+                ui.cache_html = gr.HTML(elem_id="kv-cache-view")
+        return ui
+
+    def _settings(self) -> SimpleNamespace:
+        """The settings panel, one widget per declared setting: the cache settings with the policy's summary, every
+        policy parameter (only the running policy's visible), the sampling settings."""
+        d, sampling = self.manager.settings, self.manager.sampling
+        ui = SimpleNamespace()
+        with gr.Accordion("Cache settings", open=True, elem_id="kv-settings"):
+            ui.cache = []
+            for p in CACHE_SETTINGS:
+                ui.cache.append(widget(p, getattr(d, p.name), label=_label(p), info=p.help, elem_id=elem_id(p)))
+                if p.name == "policy":
+                    ui.summary = gr.Markdown(POLICIES[d.policy].summary, elem_id="kv-policy-summary")
+            ui.policy = ui.cache[0]
+            ui.params = []
+            declared = {p.name for p in POLICIES[d.policy].params}
+            for name, (p, users) in self.params.items():
+                ui.params.append(widget(p, d.params.get(name, p.default), label=f"{name} ({', '.join(users)})",
+                                        info=p.help, visible=name in declared, elem_id=f"kv-param-{name}"))
+        with gr.Accordion("Generation", open=True, elem_id="kv-generation"):
+            ui.sampling = [widget(p, getattr(sampling, p.name), label=_label(p), info=p.help, elem_id=elem_id(p))
+                           for p in SAMPLING_SETTINGS]
+        return ui
+
     def build(self) -> gr.Blocks:
-        d = self.m.settings
         with gr.Blocks(title="kvchat", fill_width=True) as demo:
-            with gr.Sidebar(label="Conversations", open=True, elem_id="kv-sidebar"):
-                gr.Markdown("### Conversations")
-                new_btn = gr.Button("New conversation", variant="primary", elem_id="kv-new")
-                system_box = gr.Textbox(label="System prompt for new conversations", lines=2,
-                                        placeholder="empty: the model's default", elem_id="kv-system")
-                conv_list = gr.Radio(label="Saved", choices=[], elem_id="kv-conversations")
-                with gr.Row():
-                    open_btn = gr.Button("Open", size="sm", elem_id="kv-open")
-                    delete_btn = gr.Button("Delete", size="sm", variant="stop", elem_id="kv-delete")
-                title_box = gr.Textbox(label="New title", elem_id="kv-title")
-                with gr.Row():
-                    rename_btn = gr.Button("Rename", size="sm", elem_id="kv-rename")
-                    export_btn = gr.Button("Export replay JSONL", size="sm", elem_id="kv-export")
-                export_file = gr.File(label="Replay script", visible=False, elem_id="kv-export-file")
+            side = self._sidebar()
             status = gr.Markdown("", elem_id="kv-status")
             info = gr.Markdown("", elem_id="kv-info")
             with gr.Row():
                 with gr.Column(scale=3):
-                    chatbot = gr.Chatbot(label="Chat", height=460, elem_id="kv-chat", sanitize_html=True,
-                                         render_markdown=True, buttons=["copy"])
-                    text = gr.Textbox(show_label=False, lines=3, max_lines=12, elem_id="kv-input",
-                                      placeholder="Message (Shift+Enter for a new line)")
-                    with gr.Row():
-                        send_btn = gr.Button("Send", variant="primary", elem_id="kv-send")
-                        stop_btn = gr.Button("Stop", variant="stop", elem_id="kv-stop")
-                        retry_btn = gr.Button("Retry", elem_id="kv-retry")
-                        undo_btn = gr.Button("Undo", elem_id="kv-undo")
-                    with gr.Tabs():
-                        with gr.Tab("Charts", elem_id="kv-tab-charts"):
-                            plot = gr.Plot(show_label=False, elem_id="kv-charts")
-                            heads = gr.Plot(show_label=False, visible=False, elem_id="kv-heads")
-                        with gr.Tab("What the cache holds", elem_id="kv-tab-cache"):
-                            cache_html = gr.HTML(elem_id="kv-cache-view")
+                    chat = self._chat()
                 with gr.Column(scale=1, min_width=280):
-                    with gr.Accordion("Cache settings", open=True, elem_id="kv-settings"):
-                        policy = gr.Dropdown(list(POLICIES), value=d.policy, label="Policy", elem_id="kv-policy")
-                        summary = gr.Markdown(POLICIES[d.policy].summary, elem_id="kv-policy-summary")
-                        budget = gr.Number(d.budget, label="Budget (positions per layer)", precision=0,
-                                           minimum=1, elem_id="kv-budget")
-                        sink = gr.Number(d.sink, label="Sink (first tokens kept)", precision=0, minimum=0,
-                                         elem_id="kv-sink")
-                        window = gr.Number(d.window, label="Window (recent tokens kept)", precision=0,
-                                           placeholder="empty: budget / 4", elem_id="kv-window")
-                        slack = gr.Number(d.slack, label="Slack (compress at budget + slack)", precision=0,
-                                          placeholder="empty: max(64, budget / 8)", elem_id="kv-slack")
-                        groups = gr.Radio(["token", "sentence", "turn"], value=d.groups, label="Evict whole",
-                                          elem_id="kv-groups")
-                        positions = gr.Radio(["rerotate", "original"], value=d.positions, label="Positions",
-                                             elem_id="kv-positions")
-                        aggregate = gr.Radio(["mean", "max", "sum"], value=d.aggregate, label="Group score",
-                                             elem_id="kv-aggregate")
-                        param_boxes = []
-                        declared = {p.name for p in POLICIES[d.policy].params}
-                        for name, (p, users) in self.params.items():
-                            value = d.params.get(name, p.default)
-                            common = dict(label=f"{name} ({', '.join(users)})", info=p.help,
-                                          visible=name in declared, elem_id=f"kv-param-{name}")
-                            if p.choices is not None:
-                                box = gr.Dropdown(list(p.choices), value=value, **common)
-                            elif p.type is bool:
-                                box = gr.Checkbox(value=bool(value), **common)
-                            else:
-                                box = gr.Number(value, precision=0 if p.type is int else None,
-                                                minimum=p.min, maximum=p.max, **common)
-                            param_boxes.append(box)
-                    with gr.Accordion("Generation", open=True, elem_id="kv-generation"):
-                        smp = self.m.sampling
-                        max_new = gr.Number(smp.max_new_tokens, label="Max new tokens", precision=0, minimum=1,
-                                            elem_id="kv-max-new")
-                        temperature = gr.Slider(0, 2, value=smp.temperature, step=0.05,
-                                                label="Temperature (0 = greedy)", elem_id="kv-temperature")
-                        top_p = gr.Slider(0.05, 1, value=smp.top_p, step=0.05, label="Top-p", elem_id="kv-top-p")
-
-            settings_inputs = [policy, budget, sink, window, slack, groups, positions, aggregate, *param_boxes]
-            settings_outputs = [*settings_inputs, max_new, temperature, top_p, summary]
-            self.n_settings = len(settings_outputs)
-            views = [chatbot, plot, heads, cache_html, conv_list, status, info]
-            stream_outputs = [chatbot, text, plot, heads, cache_html, conv_list, status, info]
-            model_queue = dict(concurrency_id="model", concurrency_limit=1)
-
-            demo.load(self.load, None, views + settings_outputs, **model_queue)
-            demo.unload(self.unload)
-            send_btn.click(self.send, [text], stream_outputs, **model_queue)
-            text.submit(self.send, [text], stream_outputs, **model_queue)
-            stop_btn.click(self.stop, None, None, queue=False)
-            undo_btn.click(self.undo, None, stream_outputs, **model_queue)
-            retry_btn.click(self.retry, None, stream_outputs, **model_queue)
-
-            settings_out = [plot, heads, cache_html, status, info]
-            policy.input(self.policy_changed, [policy], [*param_boxes, summary]).then(
-                self.apply_settings, settings_inputs, settings_out)
-            for box in (groups, positions, aggregate):
-                box.input(self.apply_settings, settings_inputs, settings_out)
-            for box in (budget, sink, window, slack, *param_boxes):
-                if isinstance(box, gr.Number):
-                    box.submit(self.apply_settings, settings_inputs, settings_out)
-                    box.blur(self.apply_settings_on_blur, settings_inputs, settings_out)
-                else:
-                    box.input(self.apply_settings, settings_inputs, settings_out)
-            max_new.submit(self.sampling, [max_new, temperature, top_p], [status])
-            max_new.blur(self.sampling, [max_new, temperature, top_p], [status])
-            for slider in (temperature, top_p):
-                slider.release(self.sampling, [max_new, temperature, top_p], [status])
-
-            new_btn.click(self.new_conversation, [system_box], views + settings_outputs, **model_queue)
-            chatbot.clear(self.new_conversation, [system_box], views + settings_outputs, **model_queue)
-            open_btn.click(self.open_conversation, [conv_list], views + settings_outputs, **model_queue)
-            rename_btn.click(self.rename, [conv_list, title_box], [conv_list, status, title_box])
-            delete_btn.click(self.delete, [conv_list], views)
-            export_btn.click(self.export, [conv_list], [export_file, status])
+                    panel = self._settings()
+            self._wire(demo, side, chat, panel, status, info)
         demo.queue(default_concurrency_limit=4)
         return demo
 
+    def _wire(self, demo, side, chat, panel, status, info) -> None:
+        """The events: page load and unload, the chat, the settings, the conversations."""
+        settings_inputs = [*panel.cache, *panel.params]
+        settings_outputs = [*settings_inputs, *panel.sampling, panel.summary]
+        self.n_settings = len(settings_outputs)
+        views = [chat.chatbot, chat.plot, chat.heads, chat.cache_html, side.conversations, status, info]
+        stream_outputs = [chat.chatbot, chat.text, chat.plot, chat.heads, chat.cache_html, side.conversations, status,
+                          info]
+        model_queue = dict(concurrency_id="model", concurrency_limit=1)
 
-def _int(value, name: str, optional: bool = False) -> int | None:
-    if value is None or value == "":
-        if optional:
-            return None
-        raise ValueError(f"{name} is empty")
-    if float(value) != int(float(value)):
-        raise ValueError(f"{name} must be a whole number, got {value}")
-    return int(float(value))
+        demo.load(self.load, None, views + settings_outputs, **model_queue)
+        demo.unload(self.unload)
+        chat.send.click(self.send, [chat.text], stream_outputs, **model_queue)
+        chat.text.submit(self.send, [chat.text], stream_outputs, **model_queue)
+        chat.stop.click(self.stop, None, None, queue=False)
+        chat.undo.click(self.undo, None, stream_outputs, **model_queue)
+        chat.retry.click(self.retry, None, stream_outputs, **model_queue)
+
+        settings_out = [chat.plot, chat.heads, chat.cache_html, status, info]
+        panel.policy.input(self.policy_changed, [panel.policy], [*panel.params, panel.summary]).then(
+            self.apply_settings, settings_inputs, settings_out)
+        for box in settings_inputs:
+            if box is not panel.policy:
+                on_change(box, self.apply_settings, settings_inputs, settings_out, on_blur=self.apply_settings_on_blur)
+        for box in panel.sampling:
+            on_change(box, self.sampling, panel.sampling, [status])
+
+        opened = views + settings_outputs
+        side.new.click(self.new_conversation, [side.system], opened, **model_queue)
+        chat.chatbot.clear(self.new_conversation, [side.system], opened, **model_queue)
+        side.open.click(self.open_conversation, [side.conversations], opened, **model_queue)
+        side.rename.click(self.rename, [side.conversations, side.title], [side.conversations, status, side.title])
+        side.delete.click(self.delete, [side.conversations], views)
+        side.export.click(self.export, [side.conversations], [side.export_file, status])
 
 
 def serve(manager: SessionManager, model_name: str, host: str = "127.0.0.1", port: int = 7860,

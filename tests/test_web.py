@@ -365,3 +365,28 @@ def test_serve_refuses_bad_flags_in_one_line(flags, message):
     assert done.stderr.startswith("kvchat: error:") and message in done.stderr
     assert done.stderr.count("\n") == 1
 
+
+
+def test_enter_sends_and_shift_enter_starts_a_new_line(browser, server):
+    from kvchat.storage.db import Store
+
+    context, page = _open(browser, server.url)
+    try:
+        before = _state(page)
+        page.click("#kv-input textarea")
+        page.keyboard.type("First line of my note.")
+        page.keyboard.press("Shift+Enter")
+        page.keyboard.type("Second line.")
+        assert page.input_value("#kv-input textarea") == "First line of my note.\nSecond line."
+        page.keyboard.press("Enter")
+        _wait_done(page, before)
+        _wait_bot_count(page, 1)
+        assert page.input_value("#kv-input textarea") == ""
+        user = page.locator("#kv-chat .user.message").first.inner_text()
+        assert "First line of my note.\nSecond line." in user
+        page.wait_for_function(f"() => {INFO_JS}.includes('conversation #')")
+        cid = int(re.search(r"conversation #(\d+)", _info(page)).group(1))
+        stored = [m["text"] for m in Store(server.db).messages(cid) if m["role"] == "user"]
+        assert stored == ["First line of my note.\nSecond line."]
+    finally:
+        context.close()

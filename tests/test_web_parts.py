@@ -111,3 +111,79 @@ def test_head_map_and_layer_budgets_for_headaware(tiny, tmp_path):
     assert fig is not None and len(fig.data[0].z) == len(layers)
     held, allocated = layer_lengths(s)
     assert allocated is not None and len(held) == len(allocated) == s.model.num_layers
+
+
+class _Request:
+    """What the handlers read of Gradio's request: the tab's session hash."""
+
+    def __init__(self, key):
+        self.session_hash = key
+
+
+@pytest.fixture
+def web(manager):
+    from kvchat.app.web import WebApp
+
+    app = WebApp(manager, "tiny")
+    app.demo = app.build()
+    return app
+
+
+def test_settings_panel_is_generated_from_the_declarations(web):
+    import gradio as gr
+
+    from kvchat.app.web import elem_id
+    from kvchat.core.settings import CACHE_SETTINGS, SAMPLING_SETTINGS
+    from kvchat.policies import declared_params
+
+    ids = {c.elem_id: c for c in web.demo.blocks.values() if getattr(c, "elem_id", None)}
+    for name in ("policy", "budget", "sink", "window", "slack", "groups", "positions", "aggregate", "max-new",
+                 "temperature", "top-p", "top-k", "min-p", "repetition-penalty", "no-repeat-ngram-size"):
+        assert f"kv-{name}" in ids, name
+    assert {elem_id(p) for p in (*CACHE_SETTINGS, *SAMPLING_SETTINGS)} <= set(ids)
+    assert all(f"kv-param-{name}" in ids for name in declared_params())
+    assert isinstance(ids["kv-policy"], gr.Dropdown) and isinstance(ids["kv-groups"], gr.Radio)
+    assert isinstance(ids["kv-budget"], gr.Number) and ids["kv-budget"].precision == 0
+    assert ids["kv-budget"].minimum == 1
+    assert ids["kv-window"].placeholder == "empty: budget/4"
+    assert isinstance(ids["kv-top-p"], gr.Slider) and ids["kv-top-p"].maximum == 1
+    assert isinstance(ids["kv-param-pool"], gr.Radio) and isinstance(ids["kv-param-average"], gr.Checkbox)
+    inp = ids["kv-input"]
+    assert inp.lines == 1 and inp.max_lines > 1  # a one-line box submits on Enter; Shift+Enter adds a line
+
+
+def _values(web, session, **cache):
+    from kvchat.core.settings import CACHE_SETTINGS
+
+    values = [cache.get(p.name, getattr(session.settings, p.name)) for p in CACHE_SETTINGS]
+    return values + [p.default for p, _ in web.params.values()]
+
+
+def test_sampling_and_settings_handlers_parse_by_declaration(web):
+    from kvchat.core.settings import SAMPLING_SETTINGS
+
+    request = _Request("a")
+    s = web.manager.entry("a").session
+    values = [getattr(s.sampling, p.name) for p in SAMPLING_SETTINGS]
+    values[[p.name for p in SAMPLING_SETTINGS].index("top_k")] = 40
+    status = web.sampling(request, *values)
+    assert s.sampling.top_k == 40 and "up to 6 new tokens" in status and "top-k 40" in status
+    before = s.sampling
+    values[0] = "lots"
+    assert "kv-error" in web.sampling(request, *values) and s.sampling == before
+
+    out = web.apply_settings(request, *_values(web, s, budget=32, window=None, groups="sentence"))
+    assert "applied" in out[3] and s.settings.budget == 32 and s.settings.groups == "sentence"
+    assert s.settings.window is None
+    settings = s.settings
+    for junk in ({"budget": None}, {"sink": 2.5}, {"groups": "word"}, {"budget": 8, "window": 20}):
+        out = web.apply_settings(request, *_values(web, s, **junk))
+        assert "kv-error" in out[3] and s.settings == settings, junk
+    assert "budget 32" in web._info("a", web.manager.get("a"))
+    assert len(web._settings_values(web.manager.get("a"))) == web.n_settings
+
+
+def test_full_policy_reserves_the_models_positions(manager):
+    full = SETTINGS.changed(policy="full")
+    assert manager.reserve(full) == 2 * manager.model.max_positions * manager.per_position_bytes()
+    assert manager.reserve(SETTINGS) == 2 * SETTINGS.capacity * manager.per_position_bytes()
