@@ -1,0 +1,102 @@
+"""The README's tables of policies and flags, generated from the declarations (the policies' classes and
+``core/settings.py``) so they cannot drift from the code.
+
+``python -m kvchat.app.docs`` prints both tables; ``--write`` puts them into README.md between the marker comments
+``<!-- generated: NAME -->`` and ``<!-- end -->``; ``--check`` exits with status 1 if README.md differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from ..core.settings import CACHE_SETTINGS, SAMPLING_SETTINGS
+from ..policies import POLICIES, Param
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+#: Flags of chat, replay and serve that are not engine settings: (flag, default, meaning).
+OTHER_FLAGS = (
+    ("`--seed`", "0", "seed of the sampler"),
+    ("`--model`", "default", "Hugging Face id, local directory or `.gguf` file"),
+    ("`--device`, `--dtype`, `--device-map`", "auto",
+     "cuda > mps > cpu; bf16 on CUDA, fp32 on CPU; `--device-map auto` spreads big models (accelerate)"),
+    ("`--chat-template`", "the model's",
+     "`plain` or a Jinja file for models without one (GPT-2 gets `plain` automatically)"),
+    ("`--db`", "`$KVCHAT_HOME/kvchat.db`", "SQLite database"),
+)
+
+
+def _cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _default(p: Param) -> str:
+    if p.derived is not None:
+        return p.derived
+    return f"`{p.default}`" if p.choices else str(p.default)
+
+
+def _meaning(p: Param) -> str:
+    choices = f" (`{'`, `'.join(map(str, p.choices))}`)" if p.choices and p.name != "policy" else ""
+    return p.help + choices
+
+
+def policy_table() -> str:
+    """One row per registered policy: its name, what it keeps (its summary), its parameters with defaults."""
+    rows = ["| policy | keeps | parameters |", "| --- | --- | --- |"]
+    for name, cls in POLICIES.items():
+        params = ", ".join(f"`{p.flag} {p.shown_default}`" for p in cls.params) or "–"
+        rows.append(f"| `{name}` | {_cell(cls.summary)} | {_cell(params)} |")
+    return "\n".join(rows)
+
+
+def flag_table() -> str:
+    """One row per engine setting (cache, then sampling), then the other flags of chat, replay and serve."""
+    rows = ["| flag | default | meaning |", "| --- | --- | --- |"]
+    for p in (*CACHE_SETTINGS, *SAMPLING_SETTINGS):
+        rows.append(f"| `{p.flag}` | {_cell(_default(p))} | {_cell(_meaning(p))} |")
+    rows += [f"| {flag} | {default} | {_cell(meaning)} |" for flag, default, meaning in OTHER_FLAGS]
+    return "\n".join(rows)
+
+
+TABLES = {"policies": policy_table, "flags": flag_table}
+
+
+def render(text: str) -> str:
+    """``text`` with every generated block replaced by the current table (ValueError if a marker is missing)."""
+    for name, table in TABLES.items():
+        pattern = re.compile(rf"(<!-- generated: {name} -->\n).*?(\n<!-- end -->)", re.S)
+        if not pattern.search(text):
+            raise ValueError(f"no '<!-- generated: {name} -->' ... '<!-- end -->' block in the README")
+        text = pattern.sub(lambda m, t=table(): m.group(1) + t + m.group(2), text, count=1)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvchat.app.docs", description=__doc__.strip().splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="update README.md in place")
+    parser.add_argument("--check", action="store_true", help="status 1 if README.md's tables are not current")
+    parser.add_argument("--readme", type=Path, default=README)
+    args = parser.parse_args(argv)
+    if not (args.write or args.check):
+        print(policy_table() + "\n\n" + flag_table())
+        return 0
+    text = args.readme.read_text(encoding="utf-8")
+    new = render(text)
+    if args.check:
+        if new != text:
+            print(f"{args.readme}: the generated tables are out of date (python -m kvchat.app.docs --write)",
+                  file=sys.stderr)
+            return 1
+        return 0
+    if new != text:
+        args.readme.write_text(new, encoding="utf-8")
+    print(f"{args.readme}: tables {'updated' if new != text else 'already current'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
