@@ -3,7 +3,7 @@ reaching into a session's or a cache's private state."""
 
 import re
 
-from conftest import REPO
+from helpers import REPO
 from kvchat.app import docs
 from kvchat.core.settings import CACHE_SETTINGS, SAMPLING_SETTINGS
 from kvchat.policies import POLICIES
