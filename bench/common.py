@@ -46,12 +46,6 @@ def read_text(data: Path, name: str) -> str:
     raise ValueError(f"unknown text {name!r}: pg19 or wikitext")
 
 
-def kv_bytes(session) -> int:
-    """Bytes of the keys and values the session's cache has allocated, over all layers (without the per-slot
-    positions and statistics that ``cache_now()["cache_bytes"]`` also counts)."""
-    return sum(layer.kv_bytes for layer in session.cache.layers)  # until the engine offers this reading itself
-
-
 def machine() -> dict:
     return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform(),

@@ -18,7 +18,7 @@ from collections import Counter
 from ..core.settings import Settings
 from . import ppl as ppl_bench
 from . import recall as recall_bench
-from .common import Run, data_dir, kv_bytes, log, read_text, save_figure
+from .common import Run, data_dir, log, read_text, save_figure
 
 NAME = "headaware"
 TITLE = "Head-aware claims"
@@ -52,7 +52,7 @@ def inspect(session) -> dict:
     for layer_cls, layer_kept in zip(classes, kept):
         for c, k in zip(layer_cls, layer_kept):
             per_class.setdefault(c, []).append(k)
-    kv = kv_bytes(session)
+    kv = session.cache_now()["kv_bytes"]
     cfg = session.model.model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     uniform = (cfg.num_hidden_layers * cfg.num_key_value_heads * session.settings.capacity * head_dim * 2

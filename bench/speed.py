@@ -27,7 +27,7 @@ from ..core.observe import Observer
 from ..core.session import Sampling, Session
 from ..core.settings import Settings
 from ..policies import POLICIES
-from .common import Run, data_dir, kv_bytes, log, read_text, save_figure
+from .common import Run, data_dir, log, read_text, save_figure
 
 NAME = "speed"
 TITLE = "Speed"
@@ -114,7 +114,7 @@ def timed_turn(session: Session, prompt: str, steps: int) -> dict:
     return {"prefill_ms": res.prefill_ms, "prompt_tokens": res.prompt_tokens,
             "decode_ms_per_token": 1000 * statistics.median(decode), "decode_ms_mean": 1000 * statistics.mean(decode),
             "bookkeeping": sum(book) / sum(decode),
-            "cache_tokens": session.cache_tokens, "kv_bytes": kv_bytes(session)}
+            "cache_tokens": session.cache_tokens, "kv_bytes": session.cache_now()["kv_bytes"]}
 
 
 def transformers_ms(cm, ids: list[int], steps: int) -> float:

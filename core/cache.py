@@ -38,11 +38,13 @@ class KVCache(Cache):
     appends the same tokens to every head.
     """
 
-    def __init__(self, num_layers: int, capacity: int | None, max_capacity: int):
+    def __init__(self, num_layers: int, capacity: int | None, max_capacity: int, archive=None):
         self.capacity = capacity
         self.max_capacity = max_capacity
         self.incoming_abs: torch.Tensor | None = None
-        super().__init__(layers=[KVLayer(self) for _ in range(num_layers)])
+        #: Where every computed key and value is also written (core/archive.py); kept keys are re-rotated from it.
+        self.archive = archive
+        super().__init__(layers=[KVLayer(self, i) for i in range(num_layers)])
 
     def initial_capacity(self, needed: int) -> int:
         if self.capacity is not None:
@@ -97,6 +99,11 @@ class KVCache(Cache):
         return sum(layer.nbytes for layer in self.layers)
 
     @property
+    def kv_bytes(self) -> int:
+        """Bytes of keys and values alone (allocated)."""
+        return sum(layer.kv_bytes for layer in self.layers)
+
+    @property
     def bytes_per_position(self) -> int | None:
         """Bytes one cached position costs over all layers and heads (None before the first forward)."""
         layers = [layer for layer in self.layers if layer.is_initialized]
@@ -120,6 +127,40 @@ class KVCache(Cache):
             for name, t in layer.stats.items():
                 out[f"{i}.stat.{name}"] = t.contiguous()
         return out
+
+    def slot_state(self) -> dict[str, torch.Tensor]:
+        """Which positions each (layer, head) holds, where its slots sit, and the per-slot statistics: with the
+        archive, everything needed to rebuild the cache exactly (``load_slot_state``)."""
+        out = {}
+        for i, layer in enumerate(self.layers):
+            if not layer.is_initialized:
+                continue
+            for h in range(layer.heads):
+                out[f"{i}.{h}.abs_pos"] = layer.head_view(layer.abs_pos, h).contiguous()
+            out[f"{i}.pos_off"] = torch.tensor(layer.pos_off)
+            out[f"{i}.caps"] = torch.tensor(layer.caps)
+            for name, t in layer.stats.items():
+                out[f"{i}.stat.{name}"] = t.contiguous()
+        return out
+
+    def load_slot_state(self, tensors: dict[str, torch.Tensor], rotary, original: bool, device) -> None:
+        """Rebuild the layers from ``slot_state()`` and the archive: values as archived, keys rotated once from
+        where they were computed to their slot's position (the absolute one in ``original`` mode)."""
+        for i, layer in enumerate(self.layers):
+            if f"{i}.caps" not in tensors:
+                continue
+            caps, pos_off = tensors[f"{i}.caps"].tolist(), tensors[f"{i}.pos_off"].tolist()
+            keys, values, abs_pos = [], [], []
+            for h in range(len(caps)):
+                held = tensors[f"{i}.{h}.abs_pos"].long()[None]
+                target = held if original else pos_off[h] + torch.arange(held.shape[1])[None]
+                _, v, _ = self.archive.keys_values(i, held, [h])
+                keys.append(self.archive.rotated_keys(i, held, target, rotary, [h])[0].to(device))
+                values.append(v[0].to(device))
+                abs_pos.append(held[0])
+            prefix = f"{i}.stat."
+            layer.load(caps, keys, values, abs_pos, pos_off,
+                       {k[len(prefix):]: t.to(device) for k, t in tensors.items() if k.startswith(prefix)})
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], device, dtype) -> None:
         for i, layer in enumerate(self.layers):

@@ -64,7 +64,7 @@ class Checkpoint:
         removed = session.messages[len(self.messages):]
         session.settings, session.policy = self.settings, make_policy(self.settings.policy, **self.settings.params)
         session.policy.set_state(self.policy_state)
-        session.cache = KVCache(model.num_layers, self.capacity, model.max_positions)
+        session.cache = KVCache(model.num_layers, self.capacity, model.max_positions, session.archive)
         if self.cache:
             session.cache.load_state_tensors(self.cache, model.device, model.dtype)
         session.observer = session.make_observer(session.policy)

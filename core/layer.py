@@ -34,9 +34,10 @@ class KVLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, owner: "KVCache"):
+    def __init__(self, owner: "KVCache", index: int):
         super().__init__()
         self._owner = owner
+        self.index = index
         self.lens: list[int] = []
         self.caps: list[int] = []
         self.offs: list[int] = []
@@ -63,6 +64,8 @@ class KVLayer(CacheLayerMixin):
         if any(n + q > c for n, c in zip(self.lens, self.caps)):
             self.resize([self._owner.grown_capacity(n + q, c) for n, c in zip(self.lens, self.caps)])
         incoming = self._owner.incoming_abs
+        if self._owner.archive is not None:
+            self._owner.archive.stage(self.index, key_states, value_states)
         if self.uniform:
             n, cap = self.lens[0], self.caps[0]
             keys, values = self.keys.view(self.heads, cap, -1), self.values.view(self.heads, cap, -1)
@@ -212,7 +215,8 @@ class KVLayer(CacheLayerMixin):
             keys = self.keys[src]
             if rotary is not None:
                 new_pos = next_pos - kept[h] + torch.arange(kept[h], device=self.device)
-                keys = rotary.rotate(keys, new_pos - (self.pos_off[h] + idx.to(self.device)))
+                keys = self._rotated(keys[None], self.abs_pos[src][None], new_pos[None],
+                                     (self.pos_off[h] + idx.to(self.device))[None], rotary, [h])[0]
             gathered.append((keys, self.values[src], self.abs_pos[src],
                              {name: t[src] for name, t in self.stats.items()}))
         if caps != self.caps:
@@ -236,13 +240,15 @@ class KVLayer(CacheLayerMixin):
         keys = torch.gather(self.keys.view(heads, cap, -1), 1, index[:, :, None].expand(-1, -1, self.keys.shape[-1]))
         values = torch.gather(self.values.view(heads, cap, -1), 1,
                               index[:, :, None].expand(-1, -1, self.values.shape[-1]))
+        abs_pos = self.abs_pos.view(heads, cap)
+        kept_abs = torch.gather(abs_pos, 1, index)
         if rotary is not None:
             old_pos = index + torch.tensor(self.pos_off, device=self.device)[:, None]
-            keys = rotary.rotate(keys, next_pos - k + torch.arange(k, device=self.device)[None, :] - old_pos)
+            new_pos = next_pos - k + torch.arange(k, device=self.device)[None, :].expand(heads, -1)
+            keys = self._rotated(keys, kept_abs, new_pos, old_pos, rotary)
         self.keys.view(heads, cap, -1)[:, :k] = keys
         self.values.view(heads, cap, -1)[:, :k] = values
-        abs_pos = self.abs_pos.view(heads, cap)
-        abs_pos[:, :k] = torch.gather(abs_pos, 1, index)
+        abs_pos[:, :k] = kept_abs
         for t in self.stats.values():
             view = t.view(heads, cap)
             view[:, :k] = torch.gather(view, 1, index)
@@ -255,8 +261,21 @@ class KVLayer(CacheLayerMixin):
         for h in range(self.heads):
             a, n = self.offs[h], self.lens[h]
             slots = self.pos_off[h] + torch.arange(n, device=self.device)
-            delta = self.abs_pos[a: a + n].long() - slots
-            self.keys[a: a + n] = rotary.rotate(self.keys[a: a + n], delta if to_original else -delta)
+            held = self.abs_pos[a: a + n].long()
+            new, old = (held, slots) if to_original else (slots, held)
+            self.keys[a: a + n] = self._rotated(self.keys[a: a + n][None], held[None], new[None], old[None],
+                                                rotary, [h])[0]
+
+    def _rotated(self, keys: torch.Tensor, held: torch.Tensor, new: torch.Tensor, old: torch.Tensor,
+                 rotary: Rotary, heads: list[int] | None = None) -> torch.Tensor:
+        """Keys [rows, n, dim] of absolute positions ``held`` (row r: head ``heads[r]``, by default r) moved from
+        positions ``old`` to ``new`` (each [rows, n]): taken from the archive and rotated once from where they
+        were computed, when the cache has one."""
+        archive = self._owner.archive
+        if archive is None:
+            return rotary.rotate(keys, new - old)
+        return archive.rotated_keys(self.index, held.long(), new, rotary, heads).to(device=self.device,
+                                                                                     dtype=self.dtype)
 
     @property
     def nbytes(self) -> int:

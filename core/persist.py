@@ -1,15 +1,21 @@
-"""A session in SQLite and on disk: the records each turn writes, cache snapshots, and reopening a conversation.
+"""A session in SQLite and on disk: the records each turn writes, the cache state after each turn, and reopening
+a conversation.
 
-Every completed turn is written in one transaction (``commit``); the system prompt waits for the first exchange,
-so opening a session writes nothing. A snapshot (``save_snapshot``) holds the kept KV, positions, observer queries
-and policy state in a safetensors file beside the database; ``resume`` restores the cache from it when it is
-current, else rebuilds it by prefilling the kept tokens.
+Every completed turn is durable, cache included. When a turn closes: the archive (every token's KV as computed,
+core/archive.py) is synced; then the cache's slot state (which positions each layer and head keeps and where,
+per-slot statistics, observer queries, policy state, the sampling generator) is written atomically as
+``state-<turn>.safetensors`` beside the archive; then the turn's records go to SQLite in one transaction, which
+is the commit point; older state files are removed after it. A crash at any moment leaves SQLite at the last
+committed turn and the state file of that turn on disk, so ``resume`` rebuilds exactly the cache that turn left
+(``restored_from == "archive"``). Conversations from before the archive reopen from a snapshot (``/save``) when
+it is current, else by prefilling their kept tokens.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import uuid
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -18,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from . import compress
+from .archive import Archive, fsync_dir
 from .settings import Settings
 from .turns import TurnResult, now_iso
 
@@ -48,9 +55,90 @@ def commit(session, record: dict) -> None:
     if session.title is None:
         first = next((m["text"] for r in session.pending for m in r["messages"] if m["role"] == "user"), "")
         session.title = " ".join(first.split())[:60] or "conversation"
+    if session.archive is not None:
+        write_state(session)
     session.conversation_id = store.commit_turns(session.conversation_id, conversation_row(session),
                                                  session.pending, session.pending_settings)
     session.pending, session.pending_settings = [], []
+    if session.archive is not None:
+        remove_states(session.archive, keep=session.turn)
+
+
+def new_archive(store, model) -> Archive | None:
+    """A new conversation's archive beside the database (None without a store)."""
+    return Archive(store.archive_folder(uuid.uuid4().hex), model.num_layers) if store is not None else None
+
+
+def write_state(session) -> Path:
+    """Make the archive durable, then write the cache's slot state after this turn (atomically)."""
+    archive = session.archive
+    archive.sync()
+    tensors = session.cache.slot_state()
+    if session.observer is not None:
+        tensors.update(session.observer.state_tensors())
+    tensors["generator"] = session.generator.get_state()
+    if session.last_logits is not None:
+        tensors["last_logits"] = session.last_logits.float().cpu()
+    meta = {"turn": str(session.turn), "total_tokens": str(session.log.n), "positions": session.settings.positions,
+            "policy": session.settings.policy, "policy_state": json.dumps(session.policy.get_state()),
+            "evicted_total": str(session.evictions.total)}
+    archive.folder.mkdir(parents=True, exist_ok=True)
+    path = archive.folder / f"state-{session.turn}.safetensors"
+    tmp = path.with_suffix(".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(archive.folder)
+    return path
+
+
+def remove_states(archive: Archive, keep: int) -> None:
+    for path in archive.folder.glob("state-*.safetensors"):
+        if path.name != f"state-{keep}.safetensors":
+            path.unlink(missing_ok=True)
+
+
+def _load_state(session, folder: Path) -> bool:
+    """Restore the cache exactly from the archive and the state file of the current turn; whether it could."""
+    path = folder / f"state-{session.turn}.safetensors"
+    archive = session.archive
+    if not path.is_file() or archive.n < session.log.n:
+        return False
+    with safe_open(path, "pt") as f:
+        meta = f.metadata() or {}
+    if int(meta.get("total_tokens", -1)) != session.log.n or meta.get("positions") != session.settings.positions:
+        return False
+    archive.truncate(session.log.n)  # what a crash left past the committed turn
+    tensors = load_file(path)
+    model = session.model
+    session.cache.load_slot_state(tensors, model.rotary, session.settings.positions == "original", model.device)
+    if session.observer is not None:
+        session.observer.load_state_tensors(tensors, model.device)
+    if meta.get("policy") == session.settings.policy and meta.get("policy_state"):
+        session.policy.set_state(json.loads(meta["policy_state"]))
+    session.generator.set_state(tensors["generator"])
+    if "last_logits" in tensors:
+        session.last_logits = tensors["last_logits"].to(device=model.device, dtype=model.dtype)
+    session.evictions.total = int(meta["evicted_total"])
+    return True
+
+
+def undo(session, created_conversation: bool) -> None:
+    """Take the undone turn out of SQLite and the archive. The state of the turn before is written first, so a
+    crash in between reopens either turn exactly."""
+    store, archive = session.store, session.archive
+    if store is not None and session.conversation_id is not None:
+        if created_conversation:  # the undone turn created the conversation: it goes
+            store.delete(session.conversation_id, keep_archive=True)
+            session.conversation_id = None
+        else:
+            if archive is not None:
+                write_state(session)
+            store.truncate(session.conversation_id, session.turn, conversation_row(session))
+    if archive is not None:
+        archive.truncate(session.log.n)
+        remove_states(archive, keep=session.turn)
 
 
 def record_settings(session, record: dict) -> None:
@@ -72,6 +160,7 @@ def conversation_row(session) -> dict:
             start = None
     return {"title": session.title, "model": session.model.name, "settings": asdict(session.settings),
             "next_turn": session.turn, "total_tokens": session.log.n, "kept": ranges, "seed": session.seed,
+            "archive": session.archive.folder.name if session.archive is not None else None,
             "updated_at": now_iso()}
 
 
@@ -118,12 +207,26 @@ def resume(cls, model, store, conversation_id: int, use_snapshot: bool = True, s
     session.history.extend(TurnResult(**{k: v for k, v in row.items() if k in stat_fields})
                            for row in store.turn_stats(conversation_id))
     session.evictions.total = sum(r.evicted_tokens for r in session.history)
+    session.archive = session.cache.archive = None
+    if conv.get("archive"):
+        session.archive = Archive(store.archive_folder(conv["archive"]), model.num_layers)
+        if session.archive.n < session.log.n:
+            session.archive = None  # incomplete: the conversation goes on without one
+        else:
+            session.cache.archive = session.archive
+            if _load_state(session, session.archive.folder):
+                session.restored_from = "archive"
+                return session
+            session.cache.archive = None
+            session.archive.truncate(session.log.n)
     if use_snapshot and _load_snapshot(session, conv):
         session.restored_from = "snapshot"
+        session.cache.archive = session.archive
         return session
     kept = [p for a, b in conv["kept"] or [] for p in range(a, b)]
     rebuild(session, torch.tensor(kept, dtype=torch.long))
     session.restored_from = "tokens"
+    session.cache.archive = session.archive
     return session
 
 

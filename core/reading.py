@@ -66,9 +66,10 @@ class SessionReads:
 
     @locked
     def cache_now(self) -> dict:
-        """The cache at this moment: turn in progress, positions per layer and head (mean), bytes allocated."""
+        """The cache at this moment: turn in progress, positions per layer and head (mean), bytes allocated (all,
+        and keys and values alone), positions held by the fullest head."""
         return {"turn": self.turn, "cache_tokens": self.cache.mean_length, "cache_bytes": self.cache.nbytes,
-                "length": self.cache.length}
+                "kv_bytes": self.cache.kv_bytes, "length": self.cache.length}
 
     @locked
     def stats(self) -> dict:

@@ -28,7 +28,7 @@ from .locking import locked
 from .models import ChatModel
 from .observe import Observer
 from .positions import convert_positions
-from .generate import CLOSING_RESERVE, Generation
+from .generate import CLOSING_RESERVE, Generation, Reply
 from .procinfo import peak_rss_mb, rss_mb  # noqa: F401  (part of the engine's public surface)
 from .reading import SessionReads
 from .settings import Sampling, Settings
@@ -53,8 +53,9 @@ class Session(Generation, SessionReads):
         self.sampling = (sampling or Sampling()).validate()
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
+        self.archive = persist.new_archive(store, model)
         self.cache = KVCache(model.num_layers, settings.capacity if self.policy.bounded else None,
-                             model.max_positions)
+                             model.max_positions, self.archive)
         self.log = TokenLog()
         self.messages: list[dict] = []  # {"role", "content"} as the template sees them
         self.turn = 0
@@ -150,12 +151,7 @@ class Session(Generation, SessionReads):
         removed = checkpoint.restore(self)
         if current != self.settings:
             self._apply_settings(current)
-        if self.store is not None and self.conversation_id is not None:
-            if checkpoint.conversation_id is None:  # the undone turn created the conversation: it goes
-                self.store.delete(self.conversation_id)
-                self.conversation_id = None
-            else:
-                self.store.truncate(self.conversation_id, self.turn, persist.conversation_row(self))
+        persist.undo(self, created_conversation=checkpoint.conversation_id is None)
         return removed
 
     # -- the five kinds of turn -------------------------------------------------------------------------------------
@@ -239,7 +235,7 @@ class Session(Generation, SessionReads):
         header = self.model.chat.generation_header(self.messages + [u])
         header_ids = self._encode(header)
         res = self._open_turn("assistant", len(user_ids) + len(header_ids) + CLOSING_RESERVE)
-        return self._generate(res, u, user_ids, header, header_ids, sampling)
+        return self._generate(Reply(res, self.messages + [u], header, header_ids, user_ids), sampling)
 
     @locked
     def feed_raw(self, ids: list[int], score: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -358,6 +354,8 @@ class Session(Generation, SessionReads):
             out = self.model.model(input_ids=ids[None].to(device), position_ids=pos[None].to(device),
                                    past_key_values=self.cache, use_cache=True,
                                    logits_to_keep=0 if all_logits else 1, **extra)
+        if self.cache.archive is not None:
+            self.cache.archive.append(pos)
         return out.logits[0]
 
     def make_observer(self, policy) -> Observer | None:

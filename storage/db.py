@@ -8,6 +8,7 @@ its first exchange.
 from __future__ import annotations
 
 import json
+import shutil
 import sqlite3
 import threading
 from pathlib import Path
@@ -21,6 +22,7 @@ SCHEMA: dict[str, tuple[dict, list]] = {
     "conversations": ({
         "id": int, "title": str, "model": str, "settings": str, "next_turn": int, "total_tokens": int,
         "kept": str, "seed": int, "snapshot_path": str, "snapshot_turn": int, "created_at": str, "updated_at": str,
+        "archive": str,
     }, []),
     "messages": ({
         "id": int, "conversation_id": int, "idx": int, "turn": int, "role": str, "text": str, "tokens": str,
@@ -64,6 +66,9 @@ class Store:
             fks = [("conversation_id", "conversations", "id")] if "conversation_id" in columns else None
             table = self.db.table(name)
             table.create(columns, pk="id", foreign_keys=fks, if_not_exists=True)
+            for column, kind in columns.items():  # a database from an older kvchat gets the newer columns
+                if column not in table.columns_dict:
+                    table.add_column(column, kind)
             for cols in indexes:
                 table.create_index(list(cols), if_not_exists=True)
 
@@ -127,8 +132,13 @@ class Store:
         with self.db.atomic():
             self.db.table("conversations").update(conversation_id, {"title": title.strip()})
 
+    def archive_folder(self, name: str) -> Path:
+        """Where the archive (every token's KV, core/archive.py) and cache state of a conversation live."""
+        return self.path.parent / "archive" / name
+
     @locked
-    def delete(self, conversation_id: int) -> None:
+    def delete(self, conversation_id: int, keep_archive: bool = False) -> None:
+        """Delete a conversation with its snapshot and (unless ``keep_archive``) its archive."""
         row = self.conversation(conversation_id)
         with self.db.atomic():
             for table in ("messages", "turn_stats", "eviction_events", "settings_changes"):
@@ -136,6 +146,8 @@ class Store:
             self.db.execute("DELETE FROM conversations WHERE id = ?", [conversation_id])
         if row.get("snapshot_path"):
             Path(row["snapshot_path"]).unlink(missing_ok=True)
+        if row.get("archive") and not keep_archive:
+            shutil.rmtree(self.archive_folder(row["archive"]), ignore_errors=True)
 
     # -- reading ----------------------------------------------------------------------------------------------
     @locked

@@ -1,0 +1,117 @@
+"""Every completed turn is durable, cache included: a conversation reopened after any turn has exactly the cache
+the live session had after it (tensors equal), whatever the policy, and nothing a crash leaves half-written is
+read back."""
+
+import pytest
+import torch
+
+from kvchat.core.session import Sampling, Session
+from kvchat.core.settings import Settings
+from kvchat.storage.db import Store
+
+GREEDY = Sampling(max_new_tokens=12, temperature=0.0)
+TURNS = [("Hello there. Tell me about the sea!", "The sea is wide. It is deep and blue."),
+         ("And the mountains? Are they tall?", "Mountains are tall. Some have snow on top."),
+         ("What about rivers in the north?", "Rivers run to the sea. They carve valleys."),
+         ("Which do you like best, and why?", "I like the sea best. It never stays the same.")]
+
+
+def assert_same_cache(a: Session, b: Session) -> None:
+    assert a.total_tokens == b.total_tokens and a.turn == b.turn
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        assert la.is_initialized == lb.is_initialized
+        if not la.is_initialized:
+            continue
+        assert la.lens == lb.lens and la.caps == lb.caps and la.pos_off == lb.pos_off
+        assert torch.equal(la.positions(), lb.positions())
+        assert torch.equal(la.keys_dense(), lb.keys_dense())
+        assert torch.equal(la.padded(la.values), lb.padded(lb.values))
+        assert la.stats.keys() == lb.stats.keys()
+        for name in la.stats:
+            assert torch.equal(la.padded(la.stats[name]), lb.padded(lb.stats[name]))
+    if a.observer is not None:
+        for key, t in a.observer.state_tensors().items():
+            assert torch.equal(t, b.observer.state_tensors()[key]), key
+    assert a.policy.get_state() == b.policy.get_state()
+    assert a.evicted_total == b.evicted_total
+
+
+@pytest.mark.parametrize("policy, positions", [("streaming", "rerotate"), ("h2o", "rerotate"), ("snapkv", "rerotate"),
+                                               ("cake", "rerotate"), ("headaware", "rerotate"),
+                                               ("tova", "original"), ("streaming", "original")])
+def test_every_turn_reopens_with_the_exact_cache(tiny, tmp_path, policy, positions):
+    model = tiny("llama")
+    settings = Settings(policy=policy, budget=48, window=8, slack=6, positions=positions, groups="sentence")
+    live = Session(model, settings, store=Store(tmp_path / "kv.db"), sampling=GREEDY)
+    for i, (user, reply) in enumerate(TURNS):
+        if i == 2:
+            live.chat("Say something about the weather, please.")
+        else:
+            live.exchange(user, reply)
+        reopened = Session.resume(model, Store(tmp_path / "kv.db"), live.conversation_id, sampling=GREEDY)
+        assert reopened.restored_from == "archive"
+        assert_same_cache(reopened, live)
+    assert live.evicted_total > 0
+    assert reopened.chat("One last question?").answer == live.chat("One last question?").answer
+
+
+def test_a_crash_mid_turn_reopens_the_last_committed_turn(tiny, tmp_path):
+    model = tiny("qwen2")
+    settings = Settings(policy="h2o", budget=40, window=8, slack=6)
+    live = Session(model, settings, store=Store(tmp_path / "kv.db"), sampling=GREEDY)
+    for user, reply in TURNS[:3]:
+        live.exchange(user, reply)
+    twin = Session.resume(model, Store(tmp_path / "kv.db"), live.conversation_id, sampling=GREEDY)
+    # The live process goes on into a turn that never commits: tokens fed (and archived), then the crash.
+    gen = live.reply("This turn will never finish because the process dies now")
+    next(gen)
+    assert live.archive.n > twin.total_tokens
+    reopened = Session.resume(model, Store(tmp_path / "kv.db"), live.conversation_id, sampling=GREEDY)
+    assert reopened.restored_from == "archive" and reopened.archive.n == reopened.total_tokens
+    assert_same_cache(reopened, twin)
+    assert reopened.chat("Still there?").answer == twin.chat("Still there?").answer
+
+
+def test_undo_then_reopen_is_exact(tiny, tmp_path):
+    model = tiny("llama")
+    store = Store(tmp_path / "kv.db")
+    live = Session(model, Settings(policy="snapkv", budget=40, window=8, slack=6), store=store, sampling=GREEDY,
+                   undo=True)
+    for user, reply in TURNS:
+        live.exchange(user, reply)
+    live.undo()
+    reopened = Session.resume(model, Store(tmp_path / "kv.db"), live.conversation_id, sampling=GREEDY)
+    assert reopened.restored_from == "archive"
+    assert_same_cache(reopened, live)
+    assert [p.name for p in live.archive.folder.glob("state-*")] == [f"state-{live.turn}.safetensors"]
+
+
+def test_archive_keeps_what_was_evicted_and_goes_with_its_conversation(tiny, tmp_path):
+    model = tiny("llama")
+    store = Store(tmp_path / "kv.db")
+    live = Session(model, Settings(policy="streaming", budget=40, window=8, slack=6), store=store, sampling=GREEDY)
+    for user, reply in TURNS:
+        live.exchange(user, reply)
+    archive = live.archive
+    assert archive.n == live.total_tokens and live.kept_positions().numel() < live.total_tokens
+    evicted = torch.tensor([[1, 2, 3]])
+    keys, values, computed = archive.keys_values(0, evicted)
+    assert keys.shape == (1, 3, archive.layout[1]) and torch.equal(computed, evicted)  # computed before any eviction
+    folder = archive.folder
+    assert folder.is_dir()
+    store.delete(live.conversation_id)
+    assert not folder.exists()
+
+
+def test_a_kept_key_equals_the_archived_key_rotated_to_its_slot(tiny, tmp_path):
+    model = tiny("llama")
+    live = Session(model, Settings(policy="streaming", budget=40, window=8, slack=6), store=Store(tmp_path / "a.db"),
+                   sampling=GREEDY)
+    for user, reply in TURNS:
+        live.exchange(user, reply)
+    layer = live.cache.layers[1]
+    held = layer.positions()[:1]
+    slots = layer.pos_off[0] + torch.arange(held.shape[1])[None]
+    keys, _, computed = live.archive.keys_values(1, held)
+    expected = model.rotary.rotate(keys, slots - computed)
+    assert torch.equal(layer.keys_dense()[0, :1], expected)
