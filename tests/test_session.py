@@ -12,19 +12,19 @@ CHAT = ["Hello there, who are you?", "Tell me about the sea. It is big!", "And t
 ARCHS = list(TINY_CONFIGS)
 
 
-def _replies(cm, settings, turns=CHAT, system="default"):
-    session = Session(cm, settings, system=system, sampling=GREEDY)
+def _replies(model, settings, turns=CHAT, system="default"):
+    session = Session(model, settings, system=system, sampling=GREEDY)
     return [session.chat(t).answer for t in turns], session
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("positions", ["rerotate", "original"])
 def test_budget_larger_than_chat_equals_full(tiny, arch, positions):
-    cm = tiny(arch)
-    full, _ = _replies(cm, Settings(policy="full", positions=positions))
+    model = tiny(arch)
+    full, _ = _replies(model, Settings(policy="full", positions=positions))
     for policy in ("window", "streaming"):
         for groups in ("token", "sentence", "turn"):
-            got, session = _replies(cm, Settings(policy=policy, budget=256, window=16, groups=groups,
+            got, session = _replies(model, Settings(policy=policy, budget=256, window=16, groups=groups,
                                                  positions=positions))
             assert session.evicted_total == 0
             assert got == full, (policy, groups)
@@ -145,26 +145,35 @@ def test_position_mode_switch_round_trips_keys(tiny):
 
 
 def test_original_positions_match_full_cache_keys(tiny):
-    """In original mode kept keys are exactly the full cache's keys at the same absolute positions."""
-    cm = tiny("llama")
-    full = Session(cm, Settings(policy="full", positions="original"), system=None)
-    bounded = Session(cm, Settings(policy="streaming", budget=32, window=8, slack=4, positions="original"),
+    """In original mode kept keys are exactly the full cache's keys at the same absolute positions (layer 0, whose
+    keys depend only on the token and its position), before and after streaming evicts."""
+    model = tiny("llama")
+    full = Session(model, Settings(policy="full", positions="original"), system=None)
+    bounded = Session(model, Settings(policy="streaming", budget=32, window=8, slack=4, positions="original"),
                       system=None)
     full.exchange("short question", "short answer")
     bounded.exchange("short question", "short answer")
     n = bounded.cache_tokens
     torch.testing.assert_close(bounded.cache.layers[0].keys_dense(), full.cache.layers[0].keys_dense()[:, :, :n])
+    # Now past the budget: the bounded cache evicts, and what it keeps is no longer a prefix.
+    for session in (full, bounded):
+        _long_chat(session, turns=2, tokens=20)
+    kept = bounded.kept_positions()
+    assert bounded.evicted_total > 0
+    assert bounded.cache_tokens < full.cache_tokens == full.total_tokens == bounded.total_tokens
+    assert kept.tolist() != list(range(kept.numel()))
+    torch.testing.assert_close(bounded.cache.layers[0].keys_dense(), full.cache.layers[0].keys_dense()[:, :, kept])
 
 
 def test_full_policy_stops_before_max_positions(tiny):
-    cm = tiny("llama")
-    session = Session(cm, Settings(policy="full"), sampling=Sampling(max_new_tokens=2000, temperature=0.0))
+    model = tiny("llama")
+    session = Session(model, Settings(policy="full"), sampling=Sampling(max_new_tokens=2000, temperature=0.0))
     with pytest.raises(ContextFullError, match="bounded policy"):
         session.chat(" ".join(["word"] * 600))
     assert session.total_tokens == session.system_tokens  # nothing fed
     res = session.chat(" ".join(["word"] * 400))
     assert res.stopped in ("context_full", "eos")
-    assert session.total_tokens <= cm.max_positions
+    assert session.total_tokens <= model.max_positions
 
 
 def test_original_positions_warn_past_max_positions(tiny):
@@ -181,9 +190,29 @@ def test_learned_positions_cannot_pass_max_in_original_mode(tiny):
 
 
 def test_rerotate_keeps_positions_within_budget_forever(tiny):
-    session = Session(tiny("gpt2"), Settings(policy="streaming", budget=64, window=8, slack=8))
-    _long_chat(session, turns=14, tokens=30)  # > 512 tokens on a 512-position model
+    settings = Settings(policy="streaming", budget=64, window=8, slack=8)
+    session = Session(tiny("gpt2"), settings)
+    bound = settings.budget + settings.slack_tokens
+    given, absolute = [], []  # the position ids the model received; the tokens' absolute positions
+    forward = session.forward
+
+    def recorded(ids, abs_pos, all_logits=False):
+        absolute.extend(abs_pos.tolist())
+        return forward(ids, abs_pos, all_logits)
+
+    def record_positions(module, args, kwargs):
+        given.extend(kwargs["position_ids"].flatten().tolist())
+
+    session.forward = recorded
+    hook = session.model.model.register_forward_pre_hook(record_positions, with_kwargs=True)
+    try:
+        _long_chat(session, turns=14, tokens=30)  # > 512 tokens on a 512-position model
+    finally:
+        hook.remove()
     assert session.total_tokens > 512
+    assert len(given) == len(absolute) == session.total_tokens - session.system_tokens
+    assert max(absolute) >= 512  # fed far past both the bound and the model's positions...
+    assert max(given) < bound  # ...yet the model never saw a position past budget + slack
 
 
 @pytest.mark.parametrize("bad", ["", "   ", "a\x00b", "\ud800"])
@@ -223,8 +252,13 @@ def test_cancel_keeps_partial_reply_and_closes_the_turn(tiny):
 
 
 def test_sampling_is_reproducible_with_a_seed(tiny):
-    cm = tiny("llama")
+    model = tiny("llama")
     smp = Sampling(max_new_tokens=8, temperature=1.0, top_p=0.9)
-    a = Session(cm, Settings(budget=256), sampling=smp, seed=7).chat("hi").answer
-    b = Session(cm, Settings(budget=256), sampling=smp, seed=7).chat("hi").answer
+    a = Session(model, Settings(budget=256), sampling=smp, seed=7).chat("hi").answer
+    b = Session(model, Settings(budget=256), sampling=smp, seed=7).chat("hi").answer
     assert a == b
+    # ...and the seed matters: on a random model's near-flat distribution, other seeds give other answers.
+    wide = Sampling(max_new_tokens=8, temperature=1.5, top_p=1.0)
+    answers = {Session(model, Settings(budget=256), sampling=wide, seed=seed).chat("hi").answer
+               for seed in (1, 2, 3, 4)}
+    assert len(answers) > 1
