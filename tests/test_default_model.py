@@ -16,8 +16,8 @@ GREEDY = Sampling(max_new_tokens=24, temperature=0.0)
 QUESTIONS = ["What is the capital of France?", "Name three colours of the rainbow.", "Why is the sky blue?"]
 
 
-def _replies(cm, settings):
-    session = Session(cm, settings, sampling=GREEDY)
+def _replies(model, settings):
+    session = Session(model, settings, sampling=GREEDY)
     return [session.chat(q).answer for q in QUESTIONS], session
 
 
@@ -38,8 +38,8 @@ def _filler(n):
     return pairs[:n]
 
 
-def _fact_then_probe(cm, settings):
-    session = Session(cm, settings, sampling=GREEDY)
+def _fact_then_probe(model, settings):
+    session = Session(model, settings, sampling=GREEDY)
     session.exchange("Please remember this: my locker code is 4417.", "Got it. Your locker code is 4417.")
     for pair in _filler(40):
         if session.total_tokens >= 400:

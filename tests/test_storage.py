@@ -78,13 +78,13 @@ def test_a_broken_write_is_rolled_back_whole(tiny, tmp_path):
 
 @pytest.mark.parametrize("snapshot", [True, False])
 def test_resume_continues_with_the_same_cache(tiny, tmp_path, snapshot):
-    cm = tiny("llama")
+    model = tiny("llama")
     store = Store(tmp_path / "kv.db")
-    live = Session(cm, SETTINGS, store=store, sampling=GREEDY)
+    live = Session(model, SETTINGS, store=store, sampling=GREEDY)
     _chat(live)
     if snapshot:
         assert live.save_snapshot() is not None
-    resumed = Session.resume(cm, Store(tmp_path / "kv.db"), live.conversation_id, sampling=GREEDY)
+    resumed = Session.resume(model, Store(tmp_path / "kv.db"), live.conversation_id, sampling=GREEDY)
     assert resumed.restored_from == ("snapshot" if snapshot else "tokens")
     assert resumed.total_tokens == live.total_tokens and resumed.turn == live.turn
     assert torch.equal(resumed.kept_positions(), live.kept_positions())
@@ -99,27 +99,27 @@ def test_resume_continues_with_the_same_cache(tiny, tmp_path, snapshot):
 
 
 def test_stale_snapshot_is_not_used(tiny, tmp_path):
-    cm = tiny("llama")
+    model = tiny("llama")
     store = Store(tmp_path / "kv.db")
-    live = Session(cm, SETTINGS, store=store, sampling=GREEDY)
+    live = Session(model, SETTINGS, store=store, sampling=GREEDY)
     _chat(live)
     live.save_snapshot()
     live.exchange("one more turn after the snapshot", "ok")  # then the process is killed
-    resumed = Session.resume(cm, store, live.conversation_id)
+    resumed = Session.resume(model, store, live.conversation_id)
     assert resumed.restored_from == "tokens"
     assert torch.equal(resumed.kept_positions(), live.kept_positions())
 
 
 def test_settings_changes_are_recorded_and_resumed(tiny, tmp_path):
-    cm = tiny("llama")
+    model = tiny("llama")
     store = Store(tmp_path / "kv.db")
-    session = Session(cm, SETTINGS, store=store, sampling=GREEDY)
+    session = Session(model, SETTINGS, store=store, sampling=GREEDY)
     session.exchange("hello", "hi")
     session.configure(budget=40, groups="turn")
     changes = store.settings_changes(session.conversation_id)
     assert changes[-1]["changes"] == {"budget": 40, "groups": "turn"}
     assert changes[-1]["turn"] == session.turn
-    resumed = Session.resume(cm, store, session.conversation_id)
+    resumed = Session.resume(model, store, session.conversation_id)
     assert resumed.settings.budget == 40 and resumed.settings.groups == "turn"
 
 
