@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(replay, REPLAY_SAMPLING)
     replay.add_argument("--json", action="store_true", help="JSONL on stdout: one line per turn, then summaries")
     replay.add_argument("--no-save", action="store_true", help="do not store the conversations in the database")
+    replay.add_argument("--resume", type=int, default=None, metavar="ID",
+                        help="continue stored conversation ID with the script: its turns must be the script's first "
+                             "ones; the rest is replayed on its restored cache with its stored cache settings")
 
     serve = sub.add_parser("serve", help="the web UI (Gradio) on http://127.0.0.1:7860")
     _model_args(serve)
@@ -278,22 +281,31 @@ def cmd_replay(args) -> int:
 
     from ..core.session import Session
     from ..storage.db import Store
-    from .replay import TURN_FIELDS, Summary, load_scripts, run_step
+    from .replay import TURN_FIELDS, Summary, load_scripts, run_step, stored_prefix
 
     scripts = [s for path in args.scripts for s in load_scripts(path)]
+    if args.resume is not None and (len(scripts) != 1 or args.no_save):
+        raise CLIError("--resume continues one stored conversation: give one script of one conversation, "
+                       "without --no-save")
     settings, sampling, model = _prepare(args, REPLAY_SAMPLING)
     store = None if args.no_save else Store(_db_path(args.db))
+    done = 0
+    if args.resume is not None:
+        done = stored_prefix(scripts[0], store, args.resume, model.chat.default_system)
     overall = Summary()
-    n_steps = sum(len(s.steps) for s in scripts)
+    n_steps = sum(len(s.steps) for s in scripts) - done
     bar = tqdm(total=n_steps, disable=args.json, file=sys.stderr, unit="turn")
     if not args.json:
         tqdm.write("  # turn prompt   new  cache  cache_MB evicted prefill  ms/tok  answer", file=sys.stderr)
     session = None
     for si, script in enumerate(scripts):
-        session = Session(model, settings, system=script.system or "default", store=store, sampling=sampling,
-                          seed=args.seed, title=Path(script.name).name)
+        if args.resume is not None:
+            session = Session.resume(model, store, args.resume, sampling=sampling)
+        else:
+            session = Session(model, settings, system=script.system or "default", store=store, sampling=sampling,
+                              seed=args.seed, title=Path(script.name).name)
         summary = Summary()
-        for step in script.steps:
+        for step in script.steps[done:]:
             res = run_step(session, step, {})
             summary.add(res)
             overall.add(res)
@@ -306,7 +318,6 @@ def cmd_replay(args) -> int:
                 bar.update(1)
         summary.total_tokens = session.total_tokens
         overall.total_tokens += session.total_tokens
-        session.save_snapshot()
         if len(scripts) > 1:
             line = {"script_summary": {"script": script.name, **summary.as_dict(session)}}
             print(json.dumps(line) if args.json else _human_summary(line["script_summary"]), flush=True)
@@ -330,7 +341,6 @@ def _chat_help() -> str:
              "  /budget N                      change the budget (a smaller one compresses now)",
              "  /set key=value ...             change settings (below), e.g. /set temperature=0.3 top_k=40",
              "  /stats                         cache and conversation statistics",
-             "  /save                          write a cache snapshot now",
              "  /help, /quit                   (a line ending in \\ continues on the next line; Ctrl-C stops a reply)",
              "settings for /set (cache, then sampling):"]
     for p in (*CACHE_SETTINGS, *SAMPLING_SETTINGS):
@@ -375,9 +385,6 @@ def _chat_command(session, line: str) -> bool:
     elif cmd == "stats":
         for k, v in session.stats().items():
             print(f"  {k}: {v}")
-    elif cmd == "save":
-        path = session.save_snapshot()
-        print(f"  snapshot: {path}" if path else "  nothing to save yet")
     elif cmd in ("policy", "budget", "set"):
         if cmd == "policy":
             if not rest:
@@ -495,9 +502,8 @@ def cmd_chat(args) -> int:
                   f"tokens / {res.cache_bytes / 2**20:.1f} MiB, evicted {res.evicted_tokens}]", file=sys.stderr)
             for w in res.warnings:
                 print(f"warning: {w}", file=sys.stderr)
-            session.save_snapshot()
     finally:
-        session.save_snapshot()
+        session.close()
     return 0
 
 

@@ -208,6 +208,37 @@ def run_step(session: Session, step: Step, sampling: dict) -> TurnResult:
     return res
 
 
+def stored_prefix(script: Script, store, conversation_id: int, default_system: str | None) -> int:
+    """How many of ``script``'s steps conversation ``conversation_id`` already holds (they must be its first
+    turns; a reply step matches whatever reply was generated). ScriptError naming the first difference."""
+    turns: dict[int, list[dict]] = {}
+    for m in store.messages(conversation_id):
+        turns.setdefault(m["turn"], []).append(m)
+    stored = [turns[t] for t in sorted(turns)]
+    system = script.system if script.system is not None else default_system
+    where = f"conversation {conversation_id}"
+    if stored and stored[0][0]["role"] == "system":
+        if system is None or stored[0][0]["text"] != system:
+            raise ScriptError(f"{where} opens with another system prompt than the script's")
+        stored = stored[1:]
+    elif system is not None:
+        raise ScriptError(f"{where} has no system prompt; the script has one")
+    if len(stored) > len(script.steps):
+        raise ScriptError(f"{where} holds {len(stored)} turns, more than the script's {len(script.steps)}")
+    for i, (messages, step) in enumerate(zip(stored, script.steps)):
+        if step.kind == "add":
+            expected = [(step.role, step.text)]
+        else:
+            expected = [("user", step.user), ("assistant", None if step.kind == "reply" else step.text)]
+        got = [(m["role"], m["text"]) for m in messages]
+        if len(got) != len(expected) or any(r != er or (et is not None and t != et)
+                                            for (r, t), (er, et) in zip(got, expected)):
+            shown = " / ".join(f"{r}: {t[:40]!r}" for r, t in got)
+            raise ScriptError(f"{where}, turn {messages[0]['turn']}: stored {shown} differs from the script's step "
+                              f"{i + 1} ({step.kind})")
+    return len(stored)
+
+
 TURN_FIELDS = ("turn", "role", "prompt_tokens", "new_tokens", "cache_tokens", "cache_bytes", "peak_cache_tokens",
                "evicted_tokens", "evicted_groups", "prefill_ms", "decode_ms_per_token", "stopped", "answer",
                "expect", "hit", "expect_nll")

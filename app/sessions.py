@@ -3,7 +3,7 @@
 Each browser tab (Gradio session) gets its own ``Session`` and cache. The manager bounds how many exist at once
 and how many cache bytes they may reserve: a bounded session reserves budget + slack positions (twice: the undo
 copy of the last turn), an unbounded one (``full``) the model's max positions. A conversation is held by one tab
-at a time; opening it in a second tab moves it there (its cache is saved to a snapshot first).
+at a time; opening it in a second tab moves it there (its cache restored exactly from what its last turn stored).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ class SessionManager:
             return self.entries[key]
 
     def release(self, key: str) -> None:
-        """The tab closed: save the cache of its conversation (exact restore later) and free it."""
+        """The tab closed: free its session (every completed turn, cache included, is already stored)."""
         with self._lock:
             self._drop(key)
             self.moved.discard(key)
@@ -131,9 +131,7 @@ class SessionManager:
         entry = self.entries.pop(key, None)
         if entry is None:
             return
-        entry.session.cancel()
-        if entry.session.conversation_id is not None and not entry.busy:
-            entry.session.save_snapshot()
+        entry.session.close()
 
     def _sampling(self, key: str) -> Sampling:
         """The sampling settings a new session in tab ``key`` starts with: those of the tab's session (frozen, so

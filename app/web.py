@@ -352,7 +352,7 @@ class WebApp:
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
             return self._blank(str(exc)) + [gr.skip()] * self.n_settings
-        how = {"snapshot": "restored exactly from its snapshot",
+        how = {"archive": "restored exactly as its last turn left it",
                "tokens": "rebuilt from the tokens it kept"}.get(entry.session.restored_from, "")
         status = f"opened conversation #{conversation_id}; its cache was {how}" if how else ""
         return self._all(key, entry, status) + self._settings_values(entry)

@@ -7,8 +7,8 @@ per-slot statistics, observer queries, policy state, the sampling generator) is 
 ``state-<turn>.safetensors`` beside the archive; then the turn's records go to SQLite in one transaction, which
 is the commit point; older state files are removed after it. A crash at any moment leaves SQLite at the last
 committed turn and the state file of that turn on disk, so ``resume`` rebuilds exactly the cache that turn left
-(``restored_from == "archive"``). Conversations from before the archive reopen from a snapshot (``/save``) when
-it is current, else by prefilling their kept tokens.
+(``restored_from == "archive"``). Conversations from before the archive (or opened with ``exact=False``) are
+rebuilt by prefilling the tokens they kept (``restored_from == "tokens"``).
 """
 
 from __future__ import annotations
@@ -142,8 +142,11 @@ def undo(session, created_conversation: bool) -> None:
 
 
 def record_settings(session, record: dict) -> None:
-    """A live settings change: written now if the conversation exists, else with its first turn."""
+    """A live settings change: written now if the conversation exists (with the cache state it left: a smaller
+    budget compresses at once), else with its first turn."""
     if session.store is not None and session.conversation_id is not None:
+        if session.archive is not None:
+            write_state(session)
         session.store.record_settings(session.conversation_id, record)
     else:
         session.pending_settings.append(record)
@@ -164,29 +167,7 @@ def conversation_row(session) -> dict:
             "updated_at": now_iso()}
 
 
-def save_snapshot(session) -> Path | None:
-    """Write the kept KV and its positions next to the database (safetensors, atomically) and reference it from
-    the conversation. Returns the path, or None when nothing has been stored yet."""
-    store = session.store
-    if store is None or session.conversation_id is None or session.pending:
-        return None
-    folder = store.path.parent / "snapshots"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"conversation-{session.conversation_id}.safetensors"
-    tmp = path.with_suffix(".tmp")
-    meta = {"turn": str(session.turn), "model": session.model.name, "total_tokens": str(session.log.n),
-            "positions": session.settings.positions, "policy": session.settings.policy,
-            "policy_state": json.dumps(session.policy.get_state())}
-    tensors = session.cache.state_tensors()
-    if session.observer is not None:
-        tensors.update(session.observer.state_tensors())
-    save_file(tensors, str(tmp), metadata=meta)
-    os.replace(tmp, path)
-    store.set_snapshot(session.conversation_id, str(path), session.turn)
-    return path
-
-
-def resume(cls, model, store, conversation_id: int, use_snapshot: bool = True, sampling=None, undo: bool = False):
+def resume(cls, model, store, conversation_id: int, exact: bool = True, sampling=None, undo: bool = False):
     """Reopen stored conversation ``conversation_id`` as a ``cls`` session (see ``Session.resume``)."""
     conv = store.conversation(conversation_id)
     if conv["model"] != model.name:
@@ -214,39 +195,16 @@ def resume(cls, model, store, conversation_id: int, use_snapshot: bool = True, s
             session.archive = None  # incomplete: the conversation goes on without one
         else:
             session.cache.archive = session.archive
-            if _load_state(session, session.archive.folder):
+            if exact and _load_state(session, session.archive.folder):
                 session.restored_from = "archive"
                 return session
             session.cache.archive = None
             session.archive.truncate(session.log.n)
-    if use_snapshot and _load_snapshot(session, conv):
-        session.restored_from = "snapshot"
-        session.cache.archive = session.archive
-        return session
     kept = [p for a, b in conv["kept"] or [] for p in range(a, b)]
     rebuild(session, torch.tensor(kept, dtype=torch.long))
     session.restored_from = "tokens"
     session.cache.archive = session.archive
     return session
-
-
-def _load_snapshot(session, conv: dict) -> bool:
-    """Restore the cache from the conversation's snapshot if it is current; whether it was."""
-    snap = conv.get("snapshot_path")
-    if not (snap and conv.get("snapshot_turn") == session.turn and Path(snap).is_file()):
-        return False
-    with safe_open(snap, "pt") as f:
-        meta = f.metadata() or {}
-    settings = session.settings
-    if int(meta.get("total_tokens", -1)) != session.log.n or meta.get("positions") != settings.positions:
-        return False
-    tensors = load_file(snap)
-    session.cache.load_state_tensors(tensors, session.model.device, session.model.dtype)
-    if session.observer is not None:
-        session.observer.load_state_tensors(tensors, session.model.device)
-    if meta.get("policy") == settings.policy and meta.get("policy_state"):
-        session.policy.set_state(json.loads(meta["policy_state"]))
-    return True
 
 
 def rebuild(session, positions: torch.Tensor) -> None:

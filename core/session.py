@@ -5,17 +5,15 @@ existing cache (never the history). Before a forward would take the cache past b
 compressed to the budget (``core/compress.py``). The engine never knows which policy it runs.
 
 This module orchestrates a turn: the five entry points (``add``, ``exchange``, ``probe``, ``reply``,
-``feed_raw``) share one prologue (``_open_turn``) and one epilogue (``_close_turn``). Undo is ``core/checkpoint.py``;
-what is written to SQLite and snapshots is ``core/persist.py``. Other threads (the web UI) read through the locked
-methods at the end.
-"""
+``feed_raw``) share one prologue (``_open_turn``) and one epilogue (``_close_turn``). Generation is
+``core/generate.py``, undo ``core/checkpoint.py``, what is stored ``core/persist.py``, reads from other threads
+(the web UI) ``core/reading.py``."""
 
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Generator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,11 +22,11 @@ from ..policies import make_policy
 from . import compress, persist
 from .cache import KVCache
 from .checkpoint import Checkpoint
+from .generate import CLOSING_RESERVE, Generation, Reply
 from .locking import locked
 from .models import ChatModel
 from .observe import Observer
 from .positions import convert_positions
-from .generate import CLOSING_RESERVE, Generation, Reply
 from .procinfo import peak_rss_mb, rss_mb  # noqa: F401  (part of the engine's public surface)
 from .reading import SessionReads
 from .settings import Sampling, Settings
@@ -102,6 +100,13 @@ class Session(Generation, SessionReads):
     def cancel(self) -> None:
         """Stop the reply being generated (from another thread); the partial reply is kept."""
         self._cancel.set()
+
+    def close(self) -> None:
+        """Stop any reply and release the archive's files (everything completed is stored already)."""
+        self.cancel()
+        with self._lock:
+            if self.archive is not None:
+                self.archive.close()
 
     # -- live settings and undo -------------------------------------------------------------------------------------
     @locked
@@ -385,15 +390,10 @@ class Session(Generation, SessionReads):
                                    "quality will degrade (use --positions rerotate to stay within them)")
 
     # -- persistence ------------------------------------------------------------------------------------------------
-    @locked
-    def save_snapshot(self) -> Path | None:
-        """Write the kept KV and its positions beside the database (see ``core/persist.py``); the path, or None
-        when nothing has been stored yet."""
-        return persist.save_snapshot(self)
-
     @classmethod
-    def resume(cls, model: ChatModel, store, conversation_id: int, use_snapshot: bool = True,
+    def resume(cls, model: ChatModel, store, conversation_id: int, exact: bool = True,
                sampling: Sampling | None = None, undo: bool = False) -> "Session":
-        """Reopen a stored conversation. The cache is restored exactly from its snapshot when the snapshot is
-        current, else rebuilt by prefilling the kept tokens (``restored_from`` says which)."""
-        return persist.resume(cls, model, store, conversation_id, use_snapshot, sampling, undo)
+        """Reopen a stored conversation with the cache its last completed turn left, exactly (from the archive);
+        conversations stored without one, or with ``exact=False``, rebuild it by prefilling the tokens it kept
+        (``restored_from`` says which)."""
+        return persist.resume(cls, model, store, conversation_id, exact, sampling, undo)

@@ -109,20 +109,15 @@ class Store:
             self.db.table("conversations").update(conversation_id, _dump({"settings": change["settings"]}))
 
     @locked
-    def set_snapshot(self, conversation_id: int, path: str | None, turn: int | None) -> None:
-        with self.db.atomic():
-            self.db.table("conversations").update(conversation_id, {"snapshot_path": path, "snapshot_turn": turn})
-
-    @locked
     def truncate(self, conversation_id: int, turn: int, conversation: dict) -> None:
         """Remove turn ``turn`` and later (undo), in one transaction with the conversation's new state. Settings
-        changes made after those turns stay; they now precede turn ``turn``. The snapshot no longer matches."""
+        changes made after those turns stay; they now precede turn ``turn``."""
         with self.db.atomic():
             for table in ("messages", "turn_stats", "eviction_events"):
                 self.db.execute(f"DELETE FROM {table} WHERE conversation_id = ? AND turn >= ?", [conversation_id, turn])
             self.db.execute("UPDATE settings_changes SET turn = ? WHERE conversation_id = ? AND turn > ?",
                             [turn, conversation_id, turn])
-            self.db.table("conversations").update(conversation_id, _dump({**conversation, "snapshot_turn": None}))
+            self.db.table("conversations").update(conversation_id, _dump(conversation))
 
     @locked
     def rename(self, conversation_id: int, title: str) -> None:
@@ -138,7 +133,8 @@ class Store:
 
     @locked
     def delete(self, conversation_id: int, keep_archive: bool = False) -> None:
-        """Delete a conversation with its snapshot and (unless ``keep_archive``) its archive."""
+        """Delete a conversation with (unless ``keep_archive``) its archive; a cache snapshot of an older kvchat
+        goes too."""
         row = self.conversation(conversation_id)
         with self.db.atomic():
             for table in ("messages", "turn_stats", "eviction_events", "settings_changes"):

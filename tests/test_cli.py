@@ -165,12 +165,12 @@ def test_terminal_chat_with_commands(model_dir, tmp_path):
     assert "kvchat: error: /budget needs one number" in proc.stderr
     (conv,) = Store(db).conversations()
     assert conv["settings"]["policy"] == "window" and conv["settings"]["groups"] == "sentence"
-    # ... and it resumes from its snapshot.
+    # ... and it resumes exactly as its last turn (and the settings changes after it) left the cache.
     proc = subprocess.run([sys.executable, "-m", "kvchat.app.cli", "chat", "--model", str(model_dir), "--db", str(db),
                            "--resume", str(conv["id"]), "--max-new-tokens", "3"],
                           input="One more\n", capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
-    assert "cache restored from snapshot" in proc.stderr
+    assert "cache restored from archive" in proc.stderr
     assert len(Store(db).messages(conv["id"])) == 7
 
 

@@ -115,3 +115,17 @@ def test_a_kept_key_equals_the_archived_key_rotated_to_its_slot(tiny, tmp_path):
     keys, _, computed = live.archive.keys_values(1, held)
     expected = model.rotary.rotate(keys, slots - computed)
     assert torch.equal(layer.keys_dense()[0, :1], expected)
+
+
+def test_a_live_settings_change_between_turns_reopens_exactly(tiny, tmp_path):
+    model = tiny("llama")
+    live = Session(model, Settings(policy="streaming", budget=64, window=8, slack=8), store=Store(tmp_path / "a.db"),
+                   sampling=GREEDY)
+    for user, reply in TURNS:
+        live.exchange(user, reply)
+    live.configure(budget=40)  # compresses at once
+    live.configure(policy="h2o", groups="sentence")
+    reopened = Session.resume(model, Store(tmp_path / "a.db"), live.conversation_id, sampling=GREEDY)
+    assert reopened.restored_from == "archive" and reopened.settings == live.settings
+    assert_same_cache(reopened, live)
+    assert reopened.chat("Go on.").answer == live.chat("Go on.").answer

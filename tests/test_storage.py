@@ -76,19 +76,17 @@ def test_a_broken_write_is_rolled_back_whole(tiny, tmp_path):
     assert len(store.messages(cid)) == n_msgs
 
 
-@pytest.mark.parametrize("snapshot", [True, False])
-def test_resume_continues_with_the_same_cache(tiny, tmp_path, snapshot):
+@pytest.mark.parametrize("exact", [True, False])
+def test_resume_continues_with_the_same_cache(tiny, tmp_path, exact):
     model = tiny("llama")
     store = Store(tmp_path / "kv.db")
     live = Session(model, SETTINGS, store=store, sampling=GREEDY)
     _chat(live)
-    if snapshot:
-        assert live.save_snapshot() is not None
-    resumed = Session.resume(model, Store(tmp_path / "kv.db"), live.conversation_id, sampling=GREEDY)
-    assert resumed.restored_from == ("snapshot" if snapshot else "tokens")
+    resumed = Session.resume(model, Store(tmp_path / "kv.db"), live.conversation_id, exact=exact, sampling=GREEDY)
+    assert resumed.restored_from == ("archive" if exact else "tokens")
     assert resumed.total_tokens == live.total_tokens and resumed.turn == live.turn
     assert torch.equal(resumed.kept_positions(), live.kept_positions())
-    if snapshot:
+    if exact:
         for a, b in zip(resumed.cache.layers, live.cache.layers):
             assert torch.equal(a.keys_dense(), b.keys_dense())
         # Restored exactly: the next greedy reply is the one the live session gives.
@@ -98,16 +96,17 @@ def test_resume_continues_with_the_same_cache(tiny, tmp_path, snapshot):
     assert resumed.conversation_id == live.conversation_id
 
 
-def test_stale_snapshot_is_not_used(tiny, tmp_path):
+def test_a_conversation_stored_without_an_archive_is_rebuilt_from_its_tokens(tiny, tmp_path):
     model = tiny("llama")
     store = Store(tmp_path / "kv.db")
     live = Session(model, SETTINGS, store=store, sampling=GREEDY)
     _chat(live)
-    live.save_snapshot()
-    live.exchange("one more turn after the snapshot", "ok")  # then the process is killed
+    store.db.execute("UPDATE conversations SET archive = NULL")  # as an older kvchat stored it
+    store.db.conn.commit()
     resumed = Session.resume(model, store, live.conversation_id)
-    assert resumed.restored_from == "tokens"
+    assert resumed.restored_from == "tokens" and resumed.archive is None
     assert torch.equal(resumed.kept_positions(), live.kept_positions())
+    assert resumed.chat("Still there?").new_tokens > 0
 
 
 def test_settings_changes_are_recorded_and_resumed(tiny, tmp_path):
@@ -141,14 +140,14 @@ def test_rename_and_delete(tiny, tmp_path):
     store = Store(tmp_path / "kv.db")
     session = Session(tiny("llama"), SETTINGS, store=store, sampling=GREEDY)
     session.exchange("hello", "hi")
-    session.save_snapshot()
     cid = session.conversation_id
     store.rename(cid, "Greetings")
     assert store.conversation(cid)["title"] == "Greetings"
-    snap = store.conversation(cid)["snapshot_path"]
+    archive = session.archive.folder
+    assert archive.is_dir()
     store.delete(cid)
     assert store.conversations() == [] and store.messages(cid) == []
-    assert not (tmp_path / snap).exists()
+    assert not archive.exists()
     with pytest.raises(ValueError, match="no conversation"):
         store.conversation(cid)
 
@@ -160,7 +159,7 @@ def test_rebuild_of_a_per_head_policy_stays_within_its_budget(tiny, tmp_path):
     session = Session(tiny("llama"), settings, store=store, sampling=GREEDY)
     _chat(session)
     assert session.kept_positions().numel() > settings.capacity
-    resumed = Session.resume(tiny("llama"), store, session.conversation_id, use_snapshot=False, sampling=GREEDY)
+    resumed = Session.resume(tiny("llama"), store, session.conversation_id, exact=False, sampling=GREEDY)
     assert resumed.restored_from == "tokens"
     assert resumed.cache.length <= settings.capacity
     assert resumed.evicted_total == session.evicted_total

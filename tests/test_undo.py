@@ -87,7 +87,7 @@ def test_undo_rewrites_the_stored_conversation(tiny, tmp_path):
     conv = store.conversation(cid)
     assert conv["next_turn"] == session.turn and conv["total_tokens"] == session.log.n
     resumed = Session.resume(tiny("llama"), store, cid)
-    assert resumed.restored_from == "tokens" and resumed.settings.budget == 40
+    assert resumed.restored_from == "archive" and resumed.settings.budget == 40
     assert torch.equal(resumed.kept_positions(), session.kept_positions())
 
 

@@ -57,7 +57,7 @@ def test_a_conversation_moves_to_the_tab_that_opens_it(manager):
     cid = a.session.conversation_id
     b = manager.open("b", cid)
     assert manager.holder(cid) == "b" and "a" in manager.moved and manager.get("a") is None
-    assert b.session.restored_from == "snapshot"  # a's cache was saved when the conversation left it
+    assert b.session.restored_from == "archive"  # exactly the cache a's last turn left
     assert b.session.kept_positions().tolist() == a.session.kept_positions().tolist()
     b.busy = True
     with pytest.raises(CapacityError, match="generating a reply in another tab"):
