@@ -390,3 +390,179 @@ def test_enter_sends_and_shift_enter_starts_a_new_line(browser, server):
         assert stored == ["First line of my note.\nSecond line."]
     finally:
         context.close()
+
+
+# Four tabs, each with its own word, policy and budget (none of them the server's default policy).
+FOUR = [("alpha", "streaming", 64), ("bravo", "h2o", 80), ("charlie", "snapkv", 96), ("delta", "window", 112)]
+WORDS = [word for word, _, _ in FOUR] + ["echo", "foxtrot"]
+
+
+def _pick_policy(page, policy: str):
+    page.click("#kv-policy input")
+    page.get_by_role("option", name=policy, exact=True).click()
+    page.wait_for_function(f"p => {INFO_JS}.includes(p + ' budget')", arg=policy)
+
+
+def _cache_view_text(page) -> str:
+    page.click("role=tab[name='What the cache holds']")
+    view = page.locator("#kv-cache-view")
+    view.locator(".kv-msg").first.wait_for()
+    return view.inner_text()
+
+
+def _open_when_free(browser, url, timeout: float = 90):
+    """A new context on ``url``, retried while the server says it is full (a closed tab is released when Gradio
+    notices the disconnection). Returns (context, page, seconds waited)."""
+    t0 = time.time()
+    while True:
+        context = browser.new_context(viewport={"width": 1500, "height": 1100})
+        page = context.new_page()
+        page.set_default_timeout(120000)
+        page.goto(url)
+        page.wait_for_function(f"() => {INFO_JS}.includes('session') || {STATUS_JS}.includes('full')")
+        if "session" in _info(page):
+            return context, page, time.time() - t0
+        context.close()
+        assert time.time() - t0 < timeout, "the server stayed full: a closed tab's session was not released"
+        time.sleep(2)
+
+
+def test_four_people_at_once_stay_apart_within_the_caps(browser, default_dir, tmp_path):
+    from kvchat.storage.db import Store
+
+    srv = Server(tmp_path, "--policy", "tova", "--budget", "200", "--max-new-tokens", "24", "--max-sessions", "4")
+    contexts = []
+    try:
+        tabs = []
+        for word, policy, budget in FOUR:
+            context, page = _open(browser, srv.url)
+            contexts.append(context)
+            _pick_policy(page, policy)
+            _set_number(page, "kv-budget", str(budget))
+            assert f"{policy} budget {budget}" in _info(page)
+            _set_number(page, "kv-max-new", "8")
+            assert "up to 8 new tokens" in _status(page)
+            tabs.append((page, word, policy, budget))
+        assert len({_session_id(page) for page, *_ in tabs}) == 4
+
+        # Three turns each, the four sends in flight together (replies queue on the one model).
+        said = {word: [] for word, _, _ in FOUR}
+        for turn in range(1, 4):
+            for page, word, _, _ in tabs:
+                text = f"Turn {turn}. My codeword is {word}. Repeat my codeword."
+                said[word].append(text)
+                page.fill("#kv-input textarea", text)
+                page.click("#kv-send")
+            for page, _, _, _ in tabs:
+                _wait_bot_count(page, turn)
+
+        for page, word, policy, budget in tabs:
+            users = page.locator("#kv-chat .user.message").all_inner_texts()
+            assert len(users) == 3 and all(u.startswith(s) for u, s in zip(users, said[word])), users
+            chat = page.inner_text("#kv-chat").lower()
+            view = _cache_view_text(page).lower()
+            assert word in chat and word in view
+            for other in WORDS:
+                if other != word:
+                    assert other not in chat, f"{other!r} shows in {word}'s chat"
+                    assert other not in view, f"{other!r} shows in {word}'s cache view"
+            info = _info(page)
+            assert f"{policy} budget {budget}" in info and "tova" not in info
+            assert int(re.search(r"cache (\d+) /", info).group(1)) <= budget + 64
+            assert page.input_value("#kv-budget input") == str(budget)
+            assert int(re.search(r"reply: (\d+) tokens", _status(page)).group(1)) <= 8
+        _shot(tabs[0][0], "08-four-sessions")
+
+        # A fifth person finds the server full, with a visible message.
+        fifth = browser.new_context(viewport={"width": 1500, "height": 1100})
+        contexts.append(fifth)
+        p5 = fifth.new_page()
+        p5.set_default_timeout(120000)
+        p5.goto(srv.url)
+        p5.wait_for_function(f"() => {STATUS_JS}.includes('full')", timeout=60000)
+        assert "kvchat is full: 4 chat sessions are open" in _status(p5)
+        assert p5.locator("#kv-status .kv-error").is_visible()
+
+        # The fourth tab closes while a long reply streams.
+        closing, word, _, _ = tabs.pop()
+        cid = int(re.search(r"conversation #(\d+)", _info(closing)).group(1))
+        _set_number(closing, "kv-max-new", "400")
+        closing.fill("#kv-input textarea", f"Now, {word}, write a very long essay about the history of tea.")
+        closing.click("#kv-send")
+        closing.wait_for_function("() => [...document.querySelectorAll('#kv-chat .bot.message')].some("
+                                  "e => e.innerText.trim().endsWith('▌') && e.innerText.length > 20)")
+        closing.context.close()
+        contexts.remove(closing.context)
+        t_closed = time.time()
+
+        # The other tabs keep being served, meanwhile.
+        for page, word, _, _ in tabs:
+            page.fill("#kv-input textarea", f"Turn 4. My codeword is still {word}.")
+            page.click("#kv-send")
+        for page, _, _, _ in tabs:
+            _wait_bot_count(page, 4)
+            assert int(re.search(r"reply: (\d+) tokens", _status(page)).group(1)) <= 8  # not the closed tab's 400
+
+        # Its session was released: the fifth person, reloading, gets one and chats.
+        fifth.close()
+        contexts.remove(fifth)
+        fifth, p5, waited = _open_when_free(browser, srv.url)
+        contexts.append(fifth)
+        print(f"closed tab released within {time.time() - t_closed:.1f} s (fifth tab retried {waited:.1f} s)")
+        _send(p5, "My codeword is echo. Repeat my codeword.")
+        _wait_bot_count(p5, 1)
+        assert "echo" in p5.inner_text("#kv-chat").lower()
+        assert "tova budget 200" in _info(p5)  # a new session starts with the server's settings, not a closed tab's
+
+        # The closed tab's reply was cut short when it went away, and stored as a completed turn.
+        stats = Store(srv.db).turn_stats(cid)
+        assert [t["turn"] for t in stats] == [0, 1, 2, 3, 4] and stats[-1]["role"] == "assistant", stats
+        print(f"closed tab's last turn: {stats[-1]['new_tokens']} tokens, stopped by {stats[-1]['stopped']}")
+        assert stats[-1]["new_tokens"] < 400 and stats[-1]["stopped"] != "max_new_tokens", stats[-1]
+
+        # Still healthy after: everyone leaves, a new person loads the page and chats.
+        for context in contexts:
+            context.close()
+        contexts.clear()
+        context, page, _ = _open_when_free(browser, srv.url)
+        contexts.append(context)
+        _send(page, "My codeword is foxtrot. Repeat my codeword.")
+        _wait_bot_count(page, 1)
+        assert srv.proc.poll() is None
+        assert "Traceback" not in srv.log.read_text()
+    finally:
+        for context in contexts:
+            context.close()
+        srv.stop()
+
+
+@pytest.fixture
+def auth_server(default_dir, tmp_path):
+    _need_chromium()
+    srv = Server(tmp_path, "--auth", "user:secret", "--budget", "64", "--max-new-tokens", "8")
+    yield srv
+    srv.stop()
+
+
+def test_login_refuses_a_wrong_password_and_admits_the_right_one(browser, auth_server):
+    context = browser.new_context(viewport={"width": 1500, "height": 1100})
+    page = context.new_page()
+    page.set_default_timeout(120000)
+    try:
+        page.goto(auth_server.url)
+        page.get_by_label("username").fill("user")
+        page.get_by_label("password").fill("wrong")
+        page.get_by_role("button", name="Login").click()
+        page.get_by_text("Incorrect Credentials").wait_for()
+        assert page.locator("#kv-chat").count() == 0
+        _shot(page, "09-login-refused")
+
+        page.get_by_label("username").fill("user")
+        page.get_by_label("password").fill("secret")
+        page.get_by_role("button", name="Login").click()
+        page.wait_for_function(f"() => {INFO_JS}.includes('session')")
+        assert page.locator("#kv-chat").is_visible()
+        _send(page, "Hello there.")
+        _wait_bot_count(page, 1)
+    finally:
+        context.close()
