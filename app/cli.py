@@ -18,8 +18,6 @@ from ..core.settings import CACHE_SETTINGS, SAMPLING_SETTINGS, Sampling, Setting
 from ..policies import POLICIES, Param, declared_params, policy_class
 
 EXIT_USAGE = 2
-#: Sampling defaults of ``kvchat replay`` where the user gives none: greedy, so replays are reproducible.
-REPLAY_SAMPLING = {"temperature": 0.0}
 
 
 class CLIError(ValueError):
@@ -60,14 +58,11 @@ def _cache_args(parser: argparse.ArgumentParser) -> None:
         _add_flag(g, p, f"param_{name}", note=f"policies: {', '.join(users)}; ")
 
 
-def _sampling_args(parser: argparse.ArgumentParser, defaults: dict | None = None) -> None:
-    """Sampling flags default to None: the model's own defaults apply to what is not given (``_prepare``), after
-    the command's own ``defaults`` (shown in the help)."""
-    defaults = defaults or {}
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    """Sampling flags default to None: the model's own defaults apply to what is not given (``_prepare``)."""
     g = parser.add_argument_group("generation")
     for p in SAMPLING_SETTINGS:
-        shown = f"{defaults[p.name]}" if p.name in defaults else f"{p.shown_default} unless the model sets its own"
-        _add_flag(g, p, p.name, default=shown)
+        _add_flag(g, p, p.name, default=f"{p.shown_default} unless the model sets its own")
     g.add_argument("--seed", type=int, default=0, metavar="INT", help="seed of the sampler (default 0)")
 
 
@@ -118,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("scripts", nargs="+", help="kvchat JSONL, ShareGPT JSON or MT-Bench JSONL files")
     _model_args(replay)
     _cache_args(replay)
-    _sampling_args(replay, REPLAY_SAMPLING)
+    _sampling_args(replay)
     replay.add_argument("--json", action="store_true", help="JSONL on stdout: one line per turn, then summaries")
     replay.add_argument("--no-save", action="store_true", help="do not store the conversations in the database")
     replay.add_argument("--resume", type=int, default=None, metavar="ID",
@@ -179,14 +174,13 @@ def load_model(spec: str = "default", device: str = "auto", dtype: str = "auto",
     return models.load(spec, device=device, dtype=dtype, device_map=device_map, chat_template=chat_template)
 
 
-def _prepare(args, sampling_defaults: dict | None = None, check_settings: bool = True):
+def _prepare(args, check_settings: bool = True):
     """What chat, replay and serve do first: check the cache and sampling flags (what can be checked before the
-    model loads), load the model, then resolve the sampling settings against the model's own defaults (the
-    command's ``sampling_defaults`` apply where no flag is given) and, with ``check_settings``, check the cache
-    settings against the model. Returns (settings, sampling, model)."""
+    model loads), load the model, then resolve the sampling settings against the model's own defaults and, with
+    ``check_settings``, check the cache settings against the model. Returns (settings, sampling, model)."""
     settings = settings_from_args(args)
     settings.validate(max_positions=1 << 30)
-    given = {**(sampling_defaults or {}), **sampling_from_args(args)}
+    given = sampling_from_args(args)
     Sampling().changed(**given)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     model = load_model(args.model, device=args.device, dtype=args.dtype, device_map=args.device_map,
@@ -287,7 +281,7 @@ def cmd_replay(args) -> int:
     if args.resume is not None and (len(scripts) != 1 or args.no_save):
         raise CLIError("--resume continues one stored conversation: give one script of one conversation, "
                        "without --no-save")
-    settings, sampling, model = _prepare(args, REPLAY_SAMPLING)
+    settings, sampling, model = _prepare(args)
     store = None if args.no_save else Store(_db_path(args.db))
     done = 0
     if args.resume is not None:

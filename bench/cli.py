@@ -1,8 +1,8 @@
 """``kvchat bench NAME``: run a benchmark, write its JSON, plots and the regenerated docs/RESULTS.md.
 
-Names: ppl, recall, speed, memory, headaware, kvpress, ``all`` (each in turn, one model load) and ``report``
-(regenerate RESULTS.md and plots from the JSON present). ``--quick`` runs CI's small sizes and asserts only the
-sanity checks; a failed sanity check ends the command with status 1 and a one-line message.
+Names: ppl, recall, speed, memory, headaware, kvpress, chat, durability, ``all`` (each in turn, one model load)
+and ``report`` (regenerate RESULTS.md and plots from the JSON present). ``--quick`` runs CI's small sizes and
+asserts only the sanity checks; a failed sanity check ends the command with status 1 and a one-line message.
 
 Full runs write under ``docs/`` (the committed results) unless ``--out`` says otherwise; quick runs write under
 ``$KVCHAT_HOME/bench-quick`` unless ``--out`` is given, so they never overwrite the committed results.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..policies import POLICIES
 
-ORDER = ("ppl", "recall", "speed", "memory", "headaware", "kvpress")
+ORDER = ("ppl", "recall", "speed", "memory", "headaware", "kvpress", "chat", "durability")
 EXIT_SANITY = 1
 NON_NEGATIVE = ("sinks", "margin", "recompute_lengths", "seed")  # integer options where 0 is meaningful
 DOCS = "docs"  # full runs' default output: the committed results

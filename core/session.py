@@ -102,11 +102,11 @@ class Session(Generation, SessionReads):
         self._cancel.set()
 
     def close(self) -> None:
-        """Stop any reply and release the archive's files (everything completed is stored already)."""
+        """Stop any reply and release the archive (deleted if no conversation was ever stored with it)."""
         self.cancel()
         with self._lock:
             if self.archive is not None:
-                self.archive.close()
+                self.archive.close() if self.conversation_id is not None else self.archive.delete()
 
     # -- live settings and undo -------------------------------------------------------------------------------------
     @locked

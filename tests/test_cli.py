@@ -241,11 +241,11 @@ def test_help_shows_each_value_kind_and_default(capsys):
                   "--temperature FLOAT", "--top-k INT", "--repetition-penalty FLOAT", "--average BOOL"):
         assert f"[{usage}]" in out, usage
     assert "(policies: h2o; default 0)" in out and "(default budget/4)" in out
-    assert "(default 0.0)" in out  # replay is greedy unless told otherwise
+    assert "(default 0.7 unless the model sets its own)" in out  # replay samples as a chat would
 
 
 def test_sampling_flags_are_left_to_the_model_unless_given():
-    from kvchat.app.cli import REPLAY_SAMPLING, build_parser, sampling_from_args, settings_from_args
+    from kvchat.app.cli import build_parser, sampling_from_args, settings_from_args
     from kvchat.core.settings import Sampling, Settings
 
     args = build_parser().parse_args(["chat"])
@@ -254,8 +254,9 @@ def test_sampling_flags_are_left_to_the_model_unless_given():
                                       "--budget", "256"])
     assert sampling_from_args(args) == {"top_k": 40, "min_p": 0.05}
     assert settings_from_args(args).window is None and settings_from_args(args).budget == 256
-    assert REPLAY_SAMPLING == {"temperature": 0.0}
-    assert Sampling().changed(**{**REPLAY_SAMPLING, **sampling_from_args(args)}).greedy
+    assert not Sampling().changed(**sampling_from_args(args)).greedy  # a replay samples as a chat would
+    greedy = build_parser().parse_args(["replay", "x.jsonl", "--temperature", "0"])
+    assert Sampling().changed(**sampling_from_args(greedy)).greedy
     for bad, message in ((["--top-k", "x"], "top_k must be a whole number"), (["--budget", "0"], "budget must be >= 1"),
                          (["--groups", "word"], "groups must be one of token, sentence, turn")):
         with pytest.raises(ValueError, match=message):

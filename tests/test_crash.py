@@ -57,11 +57,12 @@ def _cache_state(session):
 
 
 def _reference(model_dir, script_path, tmp_path):
-    """The uninterrupted run, in this process, with what the CLI would build: per turn, answers and cache."""
+    """The uninterrupted run, in this process, with what the CLI would build: per turn, answers and cache. The
+    replies are sampled (the model's defaults), so the sampler's generator has to come back exactly too."""
     model = models.load(str(model_dir))
     (script,) = load_scripts(script_path)
     session = Session(model, SETTINGS, system=script.system, store=Store(tmp_path / "reference.db"),
-                      sampling=Sampling.for_model(model, temperature=0.0, max_new_tokens=10), seed=0,
+                      sampling=Sampling.for_model(model, max_new_tokens=10), seed=0,
                       title=script_path.name)
     turns = [(session.turn, _cache_state(session), None)]
     for step in script.steps:

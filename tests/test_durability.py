@@ -129,3 +129,12 @@ def test_a_live_settings_change_between_turns_reopens_exactly(tiny, tmp_path):
     assert reopened.restored_from == "archive" and reopened.settings == live.settings
     assert_same_cache(reopened, live)
     assert reopened.chat("Go on.").answer == live.chat("Go on.").answer
+
+
+def test_a_session_that_stored_nothing_leaves_no_archive(tiny, tmp_path):
+    store = Store(tmp_path / "kv.db")
+    session = Session(tiny("llama"), Settings(budget=64, window=8), store=store, system="Be brief.")
+    assert session.archive.n == session.total_tokens > 0  # the system prompt is fed (and archived) at once
+    folder = session.archive.folder
+    session.close()
+    assert not folder.exists() and store.conversations() == []
