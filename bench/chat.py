@@ -28,7 +28,7 @@ BEFORE = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0, "repetitio
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--questions", type=int, default=20, help="MT-Bench first turns asked")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="the shared data directory (default ../shared/data)")
 

@@ -3,7 +3,8 @@
 A chat of ``--turns`` user messages from the FastChat conversations, each answered with ``--max-new-tokens``
 greedy tokens, stored in SQLite with its archive. Per turn, the time spent writing the archive (every fed token's
 KV, as it is fed), making it durable and writing the cache's slot state (fsync'd, atomic), and committing the
-turn's rows to SQLite, against the turn's whole time; and the bytes each of them adds on disk. Then the
+turn's rows to SQLite, against the turn's whole time; the bytes the archive and SQLite grow by per turn and the
+size of the state file (rewritten each turn). Then the
 conversation is reopened and the reopened cache checked equal to the live one.
 """
 
@@ -33,9 +34,9 @@ QUICK = {"turns": 4, "budget": 128, "max_new_tokens": 8, "policies": ["streaming
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--turns", type=int, default=30)
+    p.add_argument("--turns", type=int, default=40)
     p.add_argument("--budget", type=int, default=1024)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--policies", nargs="+", default=["streaming", "h2o"])
     p.add_argument("--data", default=None, help="the shared data directory (default ../shared/data)")
 
@@ -89,7 +90,10 @@ def chat(model, settings: Settings, messages: list[str], max_new_tokens: int) ->
             now = _disk(folder)
             rows.append({"turn": res.turn, "tokens": res.prompt_tokens + res.new_tokens, "turn_ms": 1000 * wall,
                          **{f"{k}_ms": 1000 * v for k, v in spent.items()},
-                         **{f"{k}_bytes": now[k] - before[k] for k in now}, "cache_tokens": res.cache_tokens})
+                         "archive_bytes": now["archive"] - before["archive"],  # appended by the turn
+                         "sqlite_bytes": now["sqlite"] - before["sqlite"],
+                         "state_bytes": now["state"],  # the state file is replaced, not appended to
+                         "cache_tokens": res.cache_tokens, "evicted": res.evicted_tokens})
             before = now
         reopened = Session.resume(model, Store(folder / "kv.db"), session.conversation_id)
         live, back = session.cache.state_tensors(), reopened.cache.state_tensors()
@@ -107,7 +111,8 @@ def chat(model, settings: Settings, messages: list[str], max_new_tokens: int) ->
             "turn_ms_mean": statistics.mean(r["turn_ms"] for r in rows),
             "share_mean": statistics.mean(d / r["turn_ms"] for d, r in zip(durable, rows)),
             "share_max": max(d / r["turn_ms"] for d, r in zip(durable, rows)),
-            "state_bytes_per_turn": statistics.mean(r["state_bytes"] for r in rows[1:]) if len(rows) > 1 else None,
+            "state_bytes_per_turn": statistics.mean(r["state_bytes"] for r in rows),
+            "evicted_tokens": sum(r["evicted"] for r in rows),
             "sqlite_bytes_per_turn": statistics.mean(r["sqlite_bytes"] for r in rows),
             "archive_bytes_per_turn": statistics.mean(r["archive_bytes"] for r in rows)}
 
@@ -120,8 +125,9 @@ def run(args, run: Run, model) -> None:
         run.rows["runs"].append(r)
         log(f"durability {policy:10s} budget {args.budget}: {len(r['turns'])} turns, {r['tokens']} tokens; durable "
             f"writes {r['durable_ms_mean']:.1f} ms/turn (max {r['durable_ms_max']:.1f}) = {100 * r['share_mean']:.2f}% "
-            f"of a turn (max {100 * r['share_max']:.2f}%); archive {r['archive_bytes_per_token'] / 1024:.1f} KiB/token, "
-            f"state {(r['state_bytes_per_turn'] or 0) / 1024:.0f} KiB, SQLite {r['sqlite_bytes_per_turn'] / 1024:.1f} "
+            f"of a turn (max {100 * r['share_max']:.2f}%); {r['evicted_tokens']} evicted; archive "
+            f"{r['archive_bytes_per_token'] / 1024:.1f} KiB/token, "
+            f"state file {r['state_bytes_per_turn'] / 1024:.0f} KiB, SQLite {r['sqlite_bytes_per_turn'] / 1024:.1f} "
             f"KiB per turn; reopened exactly: {r['exact']}")
         run.check(f"{policy} reopens exactly", r["exact"], "the reopened cache's keys and positions equal the live one")
 
@@ -131,12 +137,13 @@ def plot(result: dict, plots, plt) -> list:
 
 
 def markdown(result: dict) -> str:
-    lines = ["| policy | budget | turns | tokens | durable writes ms/turn (max) | share of a turn's time (max) | "
-             "archive KiB/token | state file KiB | SQLite KiB/turn | reopened exactly |", "| --- " * 10 + "|"]
+    lines = ["| policy | budget | turns | tokens | evicted | durable writes ms/turn (max) | "
+             "share of a turn's time (max) | archive KiB/token | state file KiB | SQLite KiB/turn | reopened exactly |",
+             "| --- " * 11 + "|"]
     for r in result["results"]["runs"]:
-        lines.append(f"| {r['policy']} | {r['budget']} | {len(r['turns'])} | {r['tokens']} | "
+        lines.append(f"| {r['policy']} | {r['budget']} | {len(r['turns'])} | {r['tokens']} | {r['evicted_tokens']} | "
                      f"{r['durable_ms_mean']:.1f} ({r['durable_ms_max']:.1f}) | {100 * r['share_mean']:.2f}% "
                      f"({100 * r['share_max']:.2f}%) | {r['archive_bytes_per_token'] / 1024:.1f} | "
-                     f"{(r['state_bytes_per_turn'] or 0) / 1024:.0f} | {r['sqlite_bytes_per_turn'] / 1024:.1f} | "
+                     f"{r['state_bytes_per_turn'] / 1024:.0f} | {r['sqlite_bytes_per_turn'] / 1024:.1f} | "
                      f"{'yes' if r['exact'] else 'NO'} |")
     return "\n".join(lines)

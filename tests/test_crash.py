@@ -26,7 +26,7 @@ FLAGS = ["--policy", "h2o", "--budget", "48", "--window", "8", "--slack", "6", "
          "--max-new-tokens", "10"]
 SETTINGS = Settings(policy="h2o", budget=48, window=8, slack=6, groups="sentence")
 KILLS = 20
-STEPS = 60  # more than twenty kills can get through, so every kill lands in a run with turns left
+STEPS = 90  # more than twenty kills can get through, so every kill lands in a run with turns left
 
 
 def _script(path):
@@ -113,8 +113,8 @@ def test_kill_9_twenty_times(model_dir, tmp_path):
         proc = _replay(model_dir, script, db, _conversation_id(db))
         if rng.random() < 0.15:  # while it starts and loads
             time.sleep(rng.uniform(0, first))
-        else:  # a random moment of one of its first turns: let 0-3 turns complete, then part of another
-            for _ in range(rng.randrange(4)):
+        else:  # a random moment of one of its first turns: let 0-2 turns complete, then part of another
+            for _ in range(rng.randrange(3)):
                 proc.stdout.readline()
             time.sleep(rng.uniform(0, 1.5 * per_turn))
         assert proc.poll() is None, "the run ended before its kill; make the script longer"
