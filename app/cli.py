@@ -9,6 +9,7 @@ import argparse
 import json
 import logging
 import shlex
+import sqlite3
 import sys
 import time
 from pathlib import Path
@@ -71,7 +72,20 @@ def parse_setting(p: Param, value):
     policy is looked up among the registered ones (its declared choices are those known when it was declared)."""
     if p.name == "policy":
         return policy_class(str(value)).name
-    return p.parse(value)
+    if p.type is bool and not isinstance(value, (bool, str)):  # a checkbox sends a bool: -1, NaN or 1e30 is junk
+        raise ValueError(f"{p.name} must be true or false, got {value!r}")
+    value = p.parse(value)
+    if p.type is int and value is not None and abs(value) > INT_LIMIT:  # 10**100 would overflow a tensor later
+        raise ValueError(f"{p.name} must be at most {INT_LIMIT}, got {_short_number(value)}")
+    return value
+
+
+INT_LIMIT = 2**31 - 1
+
+
+def _short_number(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 20 else f"{text[:8]}... ({len(text)} digits)"
 
 
 def settings_from_args(args) -> Settings:
@@ -87,13 +101,15 @@ def settings_from_args(args) -> Settings:
             continue
         if name not in cls_params:
             raise CLIError(f"--{name.replace('_', '-')} does not apply to policy {policy}")
+        parse_setting(declared_params()[name][0], value)  # checked here (a huge int); the policy parses it again
         params[name] = value
     return Settings(params=params, **given)
 
 
 def sampling_from_args(args) -> dict:
     """The sampling settings given on the command line, parsed by their declarations (the rest left out)."""
-    return {p.name: p.parse(getattr(args, p.name)) for p in SAMPLING_SETTINGS if getattr(args, p.name) is not None}
+    return {p.name: parse_setting(p, getattr(args, p.name)) for p in SAMPLING_SETTINGS
+            if getattr(args, p.name) is not None}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -299,17 +315,23 @@ def cmd_replay(args) -> int:
             session = Session(model, settings, system=script.system or "default", store=store, sampling=sampling,
                               seed=args.seed, title=Path(script.name).name)
         summary = Summary()
-        for step in script.steps[done:]:
-            res = run_step(session, step, {})
-            summary.add(res)
-            overall.add(res)
-            for w in res.warnings:
-                tqdm.write(f"warning: {w}", file=sys.stderr)
-            if args.json:
-                print(json.dumps({"script": script.name, **{k: getattr(res, k) for k in TURN_FIELDS}}), flush=True)
-            else:
-                tqdm.write(_fmt_row(si, res), file=sys.stderr)
-                bar.update(1)
+        try:
+            for step in script.steps[done:]:
+                res = run_step(session, step, {})
+                summary.add(res)
+                overall.add(res)
+                for w in res.warnings:
+                    tqdm.write(f"warning: {w}", file=sys.stderr)
+                if args.json:
+                    print(json.dumps({"script": script.name, **{k: getattr(res, k) for k in TURN_FIELDS}}),
+                          flush=True)
+                else:
+                    tqdm.write(_fmt_row(si, res), file=sys.stderr)
+                    bar.update(1)
+        except BaseException:
+            bar.close()
+            session.close()  # its archive goes if no turn of it was stored; the stored turns stay
+            raise
         summary.total_tokens = session.total_tokens
         overall.total_tokens += session.total_tokens
         if len(scripts) > 1:
@@ -507,6 +529,14 @@ def _run_bench(args) -> int:
     return run(args)
 
 
+def one_line(text: str, limit: int = 500) -> str:
+    """An error message as one printable line of at most ``limit`` characters: control characters (a newline in
+    an echoed key, an escape sequence) and unpaired surrogates are shown escaped, a long message is cut."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -518,8 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     commands["bench"] = _run_bench
     try:
         return commands[args.command](args)
-    except (ValueError, ModelError, OSError) as exc:
-        print(f"kvchat: error: {exc}", file=sys.stderr)
+    except (ValueError, ModelError, OSError, sqlite3.Error) as exc:
+        print(f"kvchat: error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(file=sys.stderr)

@@ -62,14 +62,31 @@ def _read(path: Path) -> str:
         raise ScriptError(f"{path}: not UTF-8 text (byte {exc.start})") from None
 
 
+def _json(text: str, where) -> object:
+    """``text`` parsed as JSON; ScriptError naming ``where`` (a callable of the error's line number, or None) if it
+    is not JSON, nests too deeply for the parser or holds a number too long to convert."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ScriptError(f"{where(exc.lineno)}: invalid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise ScriptError(f"{where(None)}: JSON nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        raise ScriptError(f"{where(None)}: invalid JSON ({_short(str(exc))})") from None
+
+
+def _short(text: str, limit: int = 60) -> str:
+    """``text`` as one printable line of at most about ``limit`` characters (for echoing input in an error)."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[: limit + 1])
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def load_scripts(path: str | Path) -> list[Script]:
     path = Path(path)
     text = _read(path)
     if path.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ScriptError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg})") from None
+        data = _json(text, lambda line: f"{path}:{line}" if line else str(path))
         items = data if isinstance(data, list) else [data]
         return [_sharegpt(item, f"{path}[{i}]" if isinstance(data, list) else str(path))
                 for i, item in enumerate(items)]
@@ -77,10 +94,7 @@ def load_scripts(path: str | Path) -> list[Script]:
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ScriptError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
+        obj = _json(line, lambda _, lineno=lineno: f"{path}:{lineno}")
         if not isinstance(obj, dict):
             raise ScriptError(f"{path}:{lineno}: expected a JSON object")
         rows.append((lineno, obj))
@@ -98,7 +112,7 @@ def _sharegpt(item, where: str) -> Script:
     turns = []
     for j, turn in enumerate(item["conversations"]):
         at = f"{where}.conversations[{j}]"
-        if not isinstance(turn, dict) or turn.get("from") not in _SHAREGPT_ROLES:
+        if not isinstance(turn, dict) or not isinstance(turn.get("from"), str) or turn["from"] not in _SHAREGPT_ROLES:
             raise ScriptError(f"{at}: expected {{\"from\": human|gpt|system, \"value\": text}}")
         role = _SHAREGPT_ROLES[turn["from"]]
         value = _text(turn.get("value"), at, "value")
@@ -131,7 +145,7 @@ def _kvchat(path: Path, rows) -> Script:
         at = f"{path}:{lineno}"
         unknown = set(obj) - _KVCHAT_KEYS
         if unknown:
-            raise ScriptError(f"{at}: unknown key {', '.join(sorted(unknown))}")
+            raise ScriptError(f"{at}: unknown key {_short(', '.join(sorted(unknown)))}")
         if "system" in obj:
             if len(obj) > 1 or turns or script.system is not None:
                 raise ScriptError(f"{at}: a system line stands alone, as the first line")

@@ -26,6 +26,7 @@ class Entry:
     session: Session
     rss_mb: dict[int, float] = field(default_factory=dict)  # turn -> process RSS after it
     busy: bool = False  # a reply is streaming
+    stopping: bool = False  # Stop was pressed while it streams
 
 
 class SessionManager:

@@ -28,6 +28,7 @@ from .sessions import CapacityError, Entry, SessionManager  # noqa: E402
 from .views import Live, cache_view, charts, chat_messages, head_map  # noqa: E402
 
 CHART_EVERY_S = 1.0  # chart refresh while a reply streams
+MAX_MESSAGE_CHARS = 100_000  # longer messages are refused: their prefill cannot be stopped and holds the model
 USER_ERRORS = (ValueError, ContextFullError, CapacityError)
 
 CSS = """
@@ -198,19 +199,26 @@ class WebApp:
         """Yields chat, input, charts, head map, cache view, conversations, status, info."""
         keep = [gr.skip()] * 6
         try:
-            entry = self._entry(key)
+            entry = self._idle(self._entry(key))  # a second submit while a reply streams is refused
+            if isinstance(text, str) and len(text) > MAX_MESSAGE_CHARS:
+                raise ValueError(f"the message is too long ({len(text):,} characters; the web UI takes up to "
+                                 f"{MAX_MESSAGE_CHARS:,}, since a prefill cannot be stopped and holds the model): "
+                                 "feed long texts with kvchat replay")
             gen = entry.session.reply(text)
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
             yield [gr.skip(), gr.skip()] + [gr.skip()] * 3 + [gr.skip(), _error(str(exc)), gr.skip()]
             return
         s = entry.session
-        entry.busy = True
+        entry.busy, entry.stopping = True, False
         shown = chat_messages(s) + [{"role": "user", "content": text}, {"role": "assistant", "content": "▌"}]
         yield [shown, ""] + keep
         answer, last_chart, t0, n, before = "", 0.0, time.perf_counter(), 0, None
+        failed = None
         try:
             for delta in gen:
+                if entry.stopping:  # Stop pressed before the reply's first token (the engine starts un-cancelled)
+                    s.cancel()
                 answer += delta
                 n += 1
                 if before is None:  # the finished messages (and the user's count) are drawn once per reply
@@ -224,9 +232,18 @@ class WebApp:
                                 rss_mb())
                     chart = self._charts(entry, live)
                 yield [before + [{"role": "assistant", "content": answer + " ▌"}], gr.skip(), chart] + [gr.skip()] * 5
+        except (*USER_ERRORS, OSError) as exc:  # the turn could not be written (database locked, disk full)
+            failed = exc
         finally:
             gen.close()  # if the browser went away mid-reply: the partial reply is kept and the turn closed
-            entry.busy = False
+            entry.busy = entry.stopping = False
+        if failed is not None:
+            text = (f"the reply was not saved: {failed}. It stays in this tab and is saved with the next turn that "
+                    "can be")
+            gr.Warning(text)
+            yield [chat_messages(s), gr.skip(), self._charts(entry), self._head_map(entry), cache_view(s),
+                   gr.skip(), _error(text), self._info(key, entry)]
+            return
         res = s.history[-1]
         entry.rss_mb[res.turn] = rss_mb()
         speed = f", {1000 / res.decode_ms_per_token:.1f} tokens/s" if res.decode_ms_per_token else ""
@@ -239,6 +256,7 @@ class WebApp:
     def stop(self, request: gr.Request):
         entry = self.manager.get(request.session_hash)
         if entry is not None:
+            entry.stopping = entry.busy
             entry.session.cancel()
 
     def undo(self, request: gr.Request):
@@ -284,7 +302,7 @@ class WebApp:
                 value = param_values.get(p.name)
                 if value is None or value == "":
                     continue
-                value = p.parse(value)
+                value = parse_setting(p, value)
                 if value != p.default:
                     params[p.name] = value
             new = entry.session.settings.changed(params=params, **changes)

@@ -7,6 +7,8 @@ its first exchange.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import shutil
 import sqlite3
@@ -46,6 +48,32 @@ JSON_FIELDS = {"settings", "kept", "tokens", "warnings", "changes"}
 STAT_FIELDS = [c for c in SCHEMA["turn_stats"][0] if c not in ("id", "conversation_id")]
 
 
+class StoreError(ValueError, sqlite3.OperationalError):
+    """The database cannot be read or written: not a database, damaged, read-only, locked by another writer, full.
+    One line naming the file and SQLite's reason; the transaction in progress was rolled back. A ValueError, so the
+    CLI and the web UI show it as bad input; still an ``sqlite3.OperationalError`` for callers that catch that."""
+
+
+def _reason(exc: sqlite3.Error) -> str:
+    text = " ".join(str(exc).split())
+    if "locked" in text or "busy" in text:
+        text += " (another program holds a write lock on it; try again when it is done)"
+    return text
+
+
+def guarded(method):
+    """``locked`` (one caller at a time), with SQLite's errors turned into a StoreError."""
+    inner = locked(method)
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return inner(self, *args, **kwargs)
+        except sqlite3.Error as exc:
+            raise StoreError(f"database {self.path}: {_reason(exc)}") from exc
+    return wrapper
+
+
 def _dump(row: dict) -> dict:
     return {k: json.dumps(v) if k in JSON_FIELDS and not isinstance(v, str) else v for k, v in row.items()}
 
@@ -60,7 +88,18 @@ class Store:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._lock = threading.RLock()
-        self.db = sqlite_utils.Database(sqlite3.connect(path, check_same_thread=False))
+        try:
+            self.db = sqlite_utils.Database(sqlite3.connect(path, check_same_thread=False))
+        except sqlite3.Error as exc:
+            raise StoreError(f"database {path}: {_reason(exc)}") from exc
+        try:
+            self._open()
+        except sqlite3.Error as exc:
+            self.db.close()
+            raise StoreError(f"database {path}: {_reason(exc)}") from exc
+
+    def _open(self) -> None:
+        """WAL mode, and the tables (a database of an older kvchat gets the newer columns)."""
         self.db.enable_wal()
         for name, (columns, indexes) in SCHEMA.items():
             fks = [("conversation_id", "conversations", "id")] if "conversation_id" in columns else None
@@ -72,16 +111,35 @@ class Store:
             for cols in indexes:
                 table.create_index(list(cols), if_not_exists=True)
 
-    @locked
+    @contextlib.contextmanager
+    def _writing(self):
+        """One write transaction, its write lock taken first (BEGIN IMMEDIATE): another writer is waited for up to
+        SQLite's busy timeout (5 s) instead of failing at once when a read inside the transaction would have to be
+        upgraded. Rolled back on any error, so nothing is half-written."""
+        conn = self.db.conn
+        if conn.in_transaction:  # inside another transaction: a savepoint of it
+            with self.db.atomic():
+                yield
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            if conn.in_transaction:
+                conn.rollback()
+            raise
+        conn.commit()
+
+    @guarded
     def close(self) -> None:
         self.db.close()
 
     # -- writing ----------------------------------------------------------------------------------------------
-    @locked
+    @guarded
     def commit_turns(self, conversation_id: int | None, conversation: dict, records: list[dict],
                      settings_changes: list[dict] = ()) -> int:
         """Write completed turns (messages, stats, eviction events) and the conversation state in one transaction."""
-        with self.db.atomic():
+        with self._writing():
             conv = self.db.table("conversations")
             if conversation_id is None:
                 created = records[0]["stats"]["created_at"] if records else conversation["updated_at"]
@@ -102,41 +160,41 @@ class Store:
                 self.db.table("settings_changes").insert(_dump({**change, "conversation_id": conversation_id}))
         return conversation_id
 
-    @locked
+    @guarded
     def record_settings(self, conversation_id: int, change: dict) -> None:
-        with self.db.atomic():
+        with self._writing():
             self.db.table("settings_changes").insert(_dump({**change, "conversation_id": conversation_id}))
             self.db.table("conversations").update(conversation_id, _dump({"settings": change["settings"]}))
 
-    @locked
+    @guarded
     def truncate(self, conversation_id: int, turn: int, conversation: dict) -> None:
         """Remove turn ``turn`` and later (undo), in one transaction with the conversation's new state. Settings
         changes made after those turns stay; they now precede turn ``turn``."""
-        with self.db.atomic():
+        with self._writing():
             for table in ("messages", "turn_stats", "eviction_events"):
                 self.db.execute(f"DELETE FROM {table} WHERE conversation_id = ? AND turn >= ?", [conversation_id, turn])
             self.db.execute("UPDATE settings_changes SET turn = ? WHERE conversation_id = ? AND turn > ?",
                             [turn, conversation_id, turn])
             self.db.table("conversations").update(conversation_id, _dump(conversation))
 
-    @locked
+    @guarded
     def rename(self, conversation_id: int, title: str) -> None:
         self.conversation(conversation_id)
         if not title.strip():
             raise ValueError("title is empty")
-        with self.db.atomic():
+        with self._writing():
             self.db.table("conversations").update(conversation_id, {"title": title.strip()})
 
     def archive_folder(self, name: str) -> Path:
         """Where the archive (every token's KV, core/archive.py) and cache state of a conversation live."""
         return self.path.parent / "archive" / name
 
-    @locked
+    @guarded
     def delete(self, conversation_id: int, keep_archive: bool = False) -> None:
         """Delete a conversation with (unless ``keep_archive``) its archive; a cache snapshot of an older kvchat
         goes too."""
         row = self.conversation(conversation_id)
-        with self.db.atomic():
+        with self._writing():
             for table in ("messages", "turn_stats", "eviction_events", "settings_changes"):
                 self.db.execute(f"DELETE FROM {table} WHERE conversation_id = ?", [conversation_id])
             self.db.execute("DELETE FROM conversations WHERE id = ?", [conversation_id])
@@ -146,14 +204,14 @@ class Store:
             shutil.rmtree(self.archive_folder(row["archive"]), ignore_errors=True)
 
     # -- reading ----------------------------------------------------------------------------------------------
-    @locked
+    @guarded
     def conversation(self, conversation_id: int) -> dict:
         rows = list(self.db.query("SELECT * FROM conversations WHERE id = ?", [conversation_id]))
         if not rows:
             raise ValueError(f"no conversation {conversation_id} in {self.path}")
         return _load(rows[0])
 
-    @locked
+    @guarded
     def conversations(self) -> list[dict]:
         sql = """SELECT c.id, c.title, c.model, c.settings, c.total_tokens, c.next_turn, c.created_at, c.updated_at,
                         (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS messages
@@ -164,23 +222,23 @@ class Store:
         sql = f"SELECT * FROM {table} WHERE conversation_id = ? ORDER BY {order}"
         return [_load(r) for r in self.db.query(sql, [conversation_id])]
 
-    @locked
+    @guarded
     def messages(self, conversation_id: int) -> list[dict]:
         return self._rows("messages", conversation_id, "idx")
 
-    @locked
+    @guarded
     def turn_stats(self, conversation_id: int) -> list[dict]:
         return self._rows("turn_stats", conversation_id, "turn")
 
-    @locked
+    @guarded
     def eviction_events(self, conversation_id: int) -> list[dict]:
         return self._rows("eviction_events", conversation_id, "id")
 
-    @locked
+    @guarded
     def settings_changes(self, conversation_id: int) -> list[dict]:
         return self._rows("settings_changes", conversation_id, "id")
 
-    @locked
+    @guarded
     def export_replay(self, conversation_id: int) -> list[dict[str, Any]]:
         """The conversation as replay-script lines ({"system"|"user"|"assistant": text})."""
         return [{m["role"]: m["text"]} for m in self.messages(conversation_id)]
