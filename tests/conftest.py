@@ -55,6 +55,15 @@ def tiny(tokenizer):
 
 
 @pytest.fixture(scope="session")
+def model_dir(tokenizer, tmp_path_factory):
+    """A tiny random-weight Llama saved as a model directory, for the CLI (``--model DIR``) and subprocesses."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    build_tiny("llama", tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def smol(default_dir) -> ChatModel:
     """The real default model (SmolLM2-135M-Instruct, fp32 on CPU)."""
     return models.load(str(default_dir))

@@ -25,14 +25,6 @@ SCRIPT = [
 
 
 @pytest.fixture(scope="module")
-def model_dir(tokenizer, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    build_tiny("llama", tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def no_template_dir(tokenizer, tmp_path_factory):
     path = tmp_path_factory.mktemp("no-template")
     build_tiny("llama", tokenizer).save_pretrained(path)

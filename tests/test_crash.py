@@ -20,7 +20,6 @@ from kvchat.core import models
 from kvchat.core.session import Sampling, Session
 from kvchat.core.settings import Settings
 from kvchat.storage.db import Store
-from tinymodels import build_tiny
 
 FLAGS = ["--policy", "h2o", "--budget", "48", "--window", "8", "--slack", "6", "--groups", "sentence",
          "--max-new-tokens", "10"]
@@ -38,14 +37,6 @@ def _script(path):
             lines += [{"user": f"Fact {i}: the box number {i} is painted a colour. Remember it."},
                       {"assistant": f"Noted: box {i} has a colour. I will remember it."}]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
-    return path
-
-
-@pytest.fixture(scope="module")
-def model_dir(tokenizer, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    build_tiny("llama", tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
     return path
 
 

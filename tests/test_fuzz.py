@@ -23,7 +23,6 @@ from kvchat.app.sessions import SessionManager
 from kvchat.core.session import Sampling, Session
 from kvchat.core.settings import CACHE_SETTINGS, SAMPLING_SETTINGS, Settings
 from kvchat.storage.db import Store, StoreError
-from tinymodels import build_tiny
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:gradio.helpers")  # gr.Warning outside a request
 
@@ -45,14 +44,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tokenizer, tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llama")
-    build_tiny("llama", tokenizer).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def _run(capsys, *argv):
