@@ -40,7 +40,9 @@ class Archive:
         if (self.folder / "layout.txt").is_file():
             heads, kdim, vdim, dtype = (self.folder / "layout.txt").read_text().split()
             self.layout = (int(heads), int(kdim), int(vdim), getattr(torch, dtype))
-            self.n = os.path.getsize(self.folder / "pos.bin") // 4
+            # Whole records only: a crash may have cut a write short (``truncate`` drops the rest).
+            sizes = [_size(self.folder / "pos.bin") // 4, _size(self.folder / "kv.bin") // self._record_bytes()]
+            self.n = min(sizes)
 
     # -- writing ----------------------------------------------------------------------------------------------------
     def stage(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -87,15 +89,16 @@ class Archive:
     def truncate(self, n: int) -> None:
         """Forget positions ``n`` and later (an undone turn, or what a crash left uncommitted)."""
         self._staged.clear()
-        if self.layout is None or n >= self.n:
+        if self.layout is None:
             return
         self.close()
         record = self._record_bytes()
-        with open(self.folder / "kv.bin", "r+b") as f:
-            f.truncate(n * record)
-        with open(self.folder / "pos.bin", "r+b") as f:
-            f.truncate(n * 4)
-        self.n = n
+        for name, size in (("kv.bin", n * record), ("pos.bin", n * 4)):
+            path = self.folder / name
+            if _size(path) > size:
+                with open(path, "r+b") as f:
+                    f.truncate(size)
+        self.n = min(n, self.n)
 
     def close(self) -> None:
         if self._files is not None:
@@ -159,6 +162,10 @@ class Archive:
     def nbytes(self) -> int:
         """Bytes on disk."""
         return self.n * (self._record_bytes() + 4) if self.layout is not None else 0
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else 0
 
 
 def _bytes(t: torch.Tensor) -> bytes:

@@ -66,6 +66,10 @@ def test_a_crash_mid_turn_reopens_the_last_committed_turn(tiny, tmp_path):
     gen = live.reply("This turn will never finish because the process dies now")
     next(gen)
     assert live.archive.n > twin.total_tokens
+    live.archive.sync()
+    for name, junk in (("kv.bin", b"\x01" * 7), ("pos.bin", b"\x02" * 3)):  # writes the crash cut short
+        with open(live.archive.folder / name, "ab") as f:
+            f.write(junk)
     reopened = Session.resume(model, Store(tmp_path / "kv.db"), live.conversation_id, sampling=GREEDY)
     assert reopened.restored_from == "archive" and reopened.archive.n == reopened.total_tokens
     assert_same_cache(reopened, twin)
