@@ -154,8 +154,10 @@ class KVCache(Cache):
             for h in range(len(caps)):
                 held = tensors[f"{i}.{h}.abs_pos"].long()[None]
                 target = held if original else pos_off[h] + torch.arange(held.shape[1])[None]
-                _, v, _ = self.archive.keys_values(i, held, [h])
-                keys.append(self.archive.rotated_keys(i, held, target, rotary, [h])[0].to(device))
+                k, v, computed = self.archive.keys_values(i, held, [h])
+                if rotary is not None:  # as Archive.rotated_keys does, from the one read of this head's rows
+                    k = rotary.rotate(k, target - computed.long())
+                keys.append(k[0].to(device))
                 values.append(v[0].to(device))
                 abs_pos.append(held[0])
             prefix = f"{i}.stat."

@@ -54,14 +54,6 @@ _CACHE = {p.name: p for p in CACHE_SETTINGS}
 _SAMPLING = {p.name: p for p in SAMPLING_SETTINGS}
 
 
-def declared(name: str) -> Param:
-    """The declaration of an engine setting (cache or sampling) by name."""
-    try:
-        return _CACHE.get(name) or _SAMPLING[name]
-    except KeyError:
-        raise ValueError(f"unknown setting {name!r} (choose from: {', '.join([*_CACHE, *_SAMPLING])})") from None
-
-
 @dataclass(frozen=True)
 class Settings:
     policy: str = _CACHE["policy"].default
