@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from .positions import Rotary
+from .recall import Digests
 
 _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}
 
@@ -37,6 +38,7 @@ class Archive:
         self._files = None
         self._map: np.memmap | None = None
         self._pos_map: np.memmap | None = None
+        self.digests = Digests(self.folder, num_layers)  # what recall scores (core/recall.py)
         if (self.folder / "layout.txt").is_file():
             heads, kdim, vdim, dtype = (self.folder / "layout.txt").read_text().split()
             self.layout = (int(heads), int(kdim), int(vdim), getattr(torch, dtype))
@@ -80,15 +82,17 @@ class Archive:
         return self._files
 
     def sync(self) -> None:
-        """Make every written position durable."""
+        """Make every written position (and digest) durable."""
         if self._files is not None:
             for f in self._files:
                 f.flush()
                 os.fsync(f.fileno())
+        self.digests.sync()
 
     def truncate(self, n: int) -> None:
         """Forget positions ``n`` and later (an undone turn, or what a crash left uncommitted)."""
         self._staged.clear()
+        self.digests.truncate(n)
         if self.layout is None:
             return
         self.close()
@@ -106,6 +110,7 @@ class Archive:
                 f.close()
             self._files = None
         self._map = self._pos_map = None
+        self.digests.close()
 
     # -- reading ----------------------------------------------------------------------------------------------------
     def _record_bytes(self) -> int:
@@ -151,6 +156,7 @@ class Archive:
 
     def delete(self) -> None:
         self.close()
+        self.digests.delete()
         for name in ("kv.bin", "pos.bin", "layout.txt"):
             (self.folder / name).unlink(missing_ok=True)
         try:

@@ -11,7 +11,8 @@ differences the cache needs:
 When the engine passes ``kvchat_observer`` (transformers forwards extra keyword arguments of the model's forward
 down to the attention function), the observer receives the layer's query and key states and records the attention
 statistics the running policy asked for (``core/observe.py``) — no eager attention, no N x N matrix kept. Policies
-that need no attention pass no observer and pay nothing.
+that need no attention pass no observer and pay nothing. While a user message is fed with recall on,
+``kvchat_tap`` keeps its queries in the layers that score recall (``core/recall.py``).
 """
 
 from __future__ import annotations
@@ -36,8 +37,10 @@ def causal_mask(q: int, n: int, device) -> torch.Tensor | None:
 
 
 def kvchat_attention(module, query, key, value, attention_mask=None, scaling=None, dropout=0.0,
-                     kvchat_observer=None, **kwargs):
+                     kvchat_observer=None, kvchat_tap=None, **kwargs):
     q = query.shape[2]
+    if kvchat_tap is not None:
+        kvchat_tap(module, query, scaling)
     if kvchat_observer is not None:
         kvchat_observer(module, query, key, scaling)
     if isinstance(key, RaggedKV):

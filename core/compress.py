@@ -58,8 +58,11 @@ def make_room(session, m: int) -> int:
     return c
 
 
-def compress(session, keep: int, reason: str) -> None:
-    """Compress every layer to ``keep`` positions (per head, or as the policy allocates them)."""
+def compress(session, keep: int, reason: str, bring: torch.Tensor | None = None) -> None:
+    """Compress every layer to ``keep`` positions (per head, or as the policy allocates them).
+
+    ``bring``: absolute positions (ascending) that recall brings back from the archive into every layer and head
+    (core/recall.py). They count toward ``keep``: the policy's lowest-scored slots make room for them."""
     s, cache, policy = session.settings, session.cache, session.policy
     before = cache.mean_length
     session.evictions.peak = max(session.evictions.peak, before)  # the cache is fullest right before a compression
@@ -75,6 +78,11 @@ def compress(session, keep: int, reason: str) -> None:
         counts = alloc[pos] if alloc is not None else [keep] * layer.heads
         if ceiling is not None:
             counts = [min(c, ceiling) for c in counts]
+        missing, present = [0] * layer.heads, None
+        if bring is not None:
+            present = torch.isin(view.positions, bring.to(view.positions.device)) & view.valid
+            missing = [bring.numel() - n for n in present.sum(1).tolist()]
+            counts = [max(min(c, n + m) - m, 0) for c, n, m in zip(counts, layer.lens, missing)]
         if shared is not None and alloc is None and torch.equal(shared[0], view.positions):
             index = shared[1]  # a position-only policy: the same choice as the layer before
         else:
@@ -82,6 +90,8 @@ def compress(session, keep: int, reason: str) -> None:
             if scores.dim() == 1:
                 scores = scores.expand(layer.heads, -1)
             safe = protected(session, view.positions, layer.lens, min(counts))
+            if present is not None:
+                safe |= present
             index = select_keep(scores, counts, safe, view.groups, s.aggregate, view.valid)
             if policy.layer_independent:
                 shared = (view.positions, index)
@@ -89,14 +99,20 @@ def compress(session, keep: int, reason: str) -> None:
             held = view.positions[0][view.valid[0]]
             g = held if view.groups is None else view.groups[0][view.valid[0]]
             evicted_groups = torch.unique(g).numel() - torch.unique(g[index[0].to(g.device)]).numel()
-        plans.append((layer, index, [c + s.slack_tokens for c in counts] if alloc is not None else None))
-    next_pos = max(int(i.numel()) for _, index, _ in plans for i in index)
+        caps = [c + m + s.slack_tokens for c, m in zip(counts, missing)] if alloc is not None else None
+        plans.append((layer, index, caps, missing))
+    next_pos = max(int(i.numel()) + m for _, index, _, missing in plans for i, m in zip(index, missing))
     rotary = session.model.rotary if s.positions == "rerotate" else None
-    for layer, index, caps in plans:
-        layer.keep(index, rotary, next_pos, caps or [s.capacity] * layer.heads)
+    for layer, index, caps, _ in plans:
+        caps = caps or [s.capacity] * layer.heads
+        if bring is None:
+            layer.keep(index, rotary, next_pos, caps)
+        else:
+            layer.merge(index, bring, session.model.rotary, s.positions == "original", next_pos, caps)
     after = cache.mean_length
+    brought = sum(sum(m) for *_, m in plans) / max(sum(len(m) for *_, m in plans), 1)
     session.evictions.record({"turn": session.turn, "reason": reason, "before": before, "after": after,
-                              "evicted_tokens": before - after, "evicted_groups": evicted_groups,
+                              "evicted_tokens": round(before + brought - after), "evicted_groups": evicted_groups,
                               "total_tokens": session.log.n, "created_at": now_iso()})
 
 
@@ -117,6 +133,9 @@ def protected(session, positions: torch.Tensor, lens: list[int], keep: int) -> t
                 session.warn("system", f"the system prompt ({system} tokens) does not fit the budget beside the "
                                        "window; it is no longer protected from eviction")
         safe |= (positions < start) & (positions >= 0)
+    guard = session.recall_guard  # recalled in the turn in progress: kept until the reply is written
+    if guard.numel():
+        safe |= torch.isin(positions, guard.to(positions.device))
     return safe
 
 

@@ -256,6 +256,38 @@ class KVLayer(CacheLayerMixin):
         if next_pos is not None:
             self.pos_off = [next_pos - k] * heads
 
+    def merge(self, index: list[torch.Tensor], bring: torch.Tensor, rotary: Rotary | None, original: bool,
+              next_pos: int, caps: list[int]) -> None:
+        """Keep, per head, the slots ``index[h]`` and bring back the absolute positions of ``bring`` the head lacks
+        (recall), all in position order. Keys and values come from the archive, each key rotated once from where it
+        was computed to its slot's position (its absolute one in ``original`` mode), exactly as a resumed cache is
+        rebuilt (``KVCache.load_slot_state``). Recalled slots start each statistic at the median of the head's kept
+        ones."""
+        archive = self._owner.archive
+        keys, values, held_all, stats = [], [], [], {name: [] for name in self.stats}
+        for h, idx in enumerate(index):
+            src = idx.to(self.device) + self.offs[h]
+            kept = self.abs_pos[src].long().cpu()
+            new = bring[~torch.isin(bring, kept)]
+            held, order = torch.sort(torch.cat([kept, new]))
+            n = held.numel()
+            target = held if original else next_pos - n + torch.arange(n)
+            k, v, computed = archive.keys_values(self.index, held[None], [h])
+            if rotary is not None:
+                k = rotary.rotate(k, target[None] - computed.long())
+            keys.append(k[0].to(device=self.device, dtype=self.dtype))
+            values.append(v[0].to(device=self.device, dtype=self.dtype))
+            held_all.append(held)
+            for name, t in self.stats.items():
+                old = t[src]
+                fill = old.median() if old.numel() else torch.zeros((), dtype=t.dtype, device=t.device)
+                stats[name].append(torch.cat([old, fill.expand(new.numel())])[order.to(self.device)])
+        self.load(caps, keys, values, held_all, [next_pos - k.shape[0] for k in keys], {})
+        for name, parts in stats.items():
+            t = self.ensure_stat(name)
+            for h, part in enumerate(parts):
+                t[self.offs[h]: self.offs[h] + part.numel()] = part
+
     def shift_positions(self, rotary: Rotary, to_original: bool) -> None:
         """Rotate every held key between its ``rerotate`` position and its absolute position."""
         for h in range(self.heads):

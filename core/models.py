@@ -138,6 +138,8 @@ class ChatModel:
     stop_ids: frozenset[int]
     #: Sampling settings the model's generation config sets (empty: kvchat's per-model or declared defaults).
     generation_defaults: dict = field(default_factory=dict)
+    #: Token ids of the chat template's scaffolding (computed by core/recall.py when recall first runs).
+    scaffolding: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def sampling_defaults(self) -> dict:

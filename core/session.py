@@ -12,7 +12,6 @@ This module orchestrates a turn: the five entry points (``add``, ``exchange``, `
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Generator
 from typing import Any
 
@@ -22,22 +21,22 @@ from ..policies import make_policy
 from . import compress, persist
 from .cache import KVCache
 from .checkpoint import Checkpoint
+from .feeding import Feeding
 from .generate import CLOSING_RESERVE, Generation, Reply
 from .locking import locked
 from .models import ChatModel
-from .observe import Observer
 from .positions import convert_positions
 from .procinfo import peak_rss_mb, rss_mb  # noqa: F401  (part of the engine's public surface)
 from .reading import SessionReads
 from .settings import Sampling, Settings
-from .tokens import ROLES, TokenLog, check_text, encode, encode_with_offsets
+from .tokens import ROLES, TokenLog, check_text, encode_with_offsets
 from .turns import ContextFullError, TurnResult, now_iso
 
 __all__ = ["CLOSING_RESERVE", "ROLES", "ContextFullError", "Sampling", "Session", "Settings", "TurnResult",
            "check_text", "peak_rss_mb", "rss_mb"]
 
 
-class Session(Generation, SessionReads):
+class Session(Feeding, Generation, SessionReads):
     def __init__(self, model: ChatModel, settings: Settings | None = None, system: str | None = "default",
                  store=None, sampling: Sampling | None = None, seed: int = 0, title: str | None = None,
                  undo: bool = False):
@@ -63,6 +62,7 @@ class Session(Generation, SessionReads):
         self.history: list[TurnResult] = []
         self.system_tokens = 0
         self.evictions = compress.Evictions()
+        self.recall_guard = torch.zeros(0, dtype=torch.long)  # recalled this turn: kept until it closes
         self.observer = self.make_observer(self.policy)
         self.undo_enabled = undo
         self.pending: list[dict] = []  # turn records not yet written (the system turn waits for the first exchange)
@@ -283,19 +283,15 @@ class Session(Generation, SessionReads):
             self._undo = Checkpoint.capture(self)
         return TurnResult(turn=self.turn, role=role)
 
-    def _prefill(self, res: TurnResult, segments, want_logprobs: bool = False):
-        t0 = time.perf_counter()
-        out = self._feed(segments, want_logprobs=want_logprobs)
-        res.prefill_ms = 1000 * (time.perf_counter() - t0)
-        res.prompt_tokens = sum(len(ids) for ids, _ in segments)
-        return out
-
     def _close_turn(self, res: TurnResult, messages: list[tuple[int, list[int]]]) -> TurnResult:
         res.cache_tokens, res.cache_bytes = self.cache.mean_length, self.cache.nbytes
         res.peak_cache_tokens = max(self.evictions.peak, res.cache_tokens)
         res.evicted_tokens = sum(e["evicted_tokens"] for e in self.evictions.events)
         res.evicted_groups = sum(e["evicted_groups"] for e in self.evictions.events)
         res.warnings = list(self._warnings)
+        self.recall_guard = self.recall_guard[:0]
+        if self.archive is not None:
+            self.archive.digests.add(self.archive, self.log.column("sentence"), self.log.n, self.model.rotary)
         self.history.append(res)
         record = persist.turn_record(self, res, messages)
         self.turn += 1
@@ -311,61 +307,6 @@ class Session(Generation, SessionReads):
         if key not in self.warned:
             self._warnings.append(text)
             self.warned.add(key)
-
-    # -- feeding tokens ---------------------------------------------------------------------------------------------
-    def _encode(self, text: str) -> list[int]:
-        return encode(self.model.tokenizer, text)
-
-    def _feed(self, segments: list[tuple[list[int], int]], want_logprobs: bool = False,
-              continue_message: bool = False):
-        """Feed tokens ([(ids, message index)]) through the model on top of the cache, compressing as needed.
-
-        Returns (last logits, next-token log-probs, top-1 flags); the latter two only with ``want_logprobs``
-        (entry j scores token j+1 of the fed sequence).
-        """
-        positions = self.log.append_messages(self.model.tokenizer,
-                                             [(ids, m, self.messages[m]["role"]) for ids, m in segments],
-                                             self.turn, continue_message)
-        ids = torch.tensor([i for seg, _ in segments for i in seg], dtype=torch.long)
-        total = ids.numel()
-        logprobs, top1, i, logits = [], [], 0, None
-        while i < total:
-            c = compress.make_room(self, total - i)
-            logits = self.forward(ids[i: i + c], positions[i: i + c], all_logits=want_logprobs)
-            if want_logprobs:
-                targets = ids[i + 1: i + c + 1]
-                lp = torch.log_softmax(logits[: targets.numel()].float(), dim=-1).cpu()
-                logprobs.append(lp.gather(1, targets[:, None])[:, 0])
-                top1.append(lp.argmax(-1) == targets)
-            i += c
-        self.last_logits = logits[-1]
-        if want_logprobs:
-            return self.last_logits, torch.cat(logprobs), torch.cat(top1)
-        return self.last_logits, None, None
-
-    def forward(self, ids: torch.Tensor, abs_pos: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        """One model forward of ``ids`` (absolute positions ``abs_pos``) on top of the cache; the logits."""
-        if self.settings.positions == "original":
-            pos = abs_pos
-        else:
-            pos = torch.arange(self.cache.length, self.cache.length + ids.numel())
-        device = self.model.device
-        self.cache.incoming_abs = abs_pos.to(device=device, dtype=torch.int32)
-        extra = {}
-        if self.observer is not None:
-            self.observer.positions = pos.to(device)
-            extra["kvchat_observer"] = self.observer
-        with torch.no_grad():
-            out = self.model.model(input_ids=ids[None].to(device), position_ids=pos[None].to(device),
-                                   past_key_values=self.cache, use_cache=True,
-                                   logits_to_keep=0 if all_logits else 1, **extra)
-        if self.cache.archive is not None:
-            self.cache.archive.append(pos)
-        return out.logits[0]
-
-    def make_observer(self, policy) -> Observer | None:
-        accumulate, window = "acc" in policy.observes, policy.obs_window
-        return Observer(self.cache, accumulate, window) if accumulate or window else None
 
     # -- position limits --------------------------------------------------------------------------------------------
     def _next_position(self) -> int:

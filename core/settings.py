@@ -16,6 +16,8 @@ from ..policies import POLICIES, Param, make_policy, policy_class
 from .groups import AGGREGATES, GROUP_MODES
 from .positions import POSITION_MODES
 
+RECALL_MODES = ("off", "on")
+
 
 def max_slack(budget: int) -> int:
     """The largest overshoot allowed above the budget: max(64, budget/8) positions."""
@@ -34,6 +36,13 @@ CACHE_SETTINGS: tuple[Param, ...] = (
     Param("positions", str, "rerotate", "re-rotate kept keys to contiguous positions 0..n-1, or keep the "
           "absolute positions they were computed at", choices=POSITION_MODES),
     Param("aggregate", str, "mean", "how token scores become a group score", choices=AGGREGATES),
+    Param("recall", str, "off", "before each reply, bring evicted sentences the new message needs back into the "
+          "cache (scored by the model's own attention over the archive)", choices=RECALL_MODES),
+    Param("recall_groups", int, 6, "most sentence groups recalled per user message", min=1, max=64),
+    Param("recall_tokens", int, None, "most positions recalled per user message (they count toward the budget)",
+          min=1, derived="budget/4"),
+    Param("recall_threshold", float, 0.0, "least relevance a group needs to come back (its mean attention share, "
+          "0-1)", min=0.0, max=1.0),
 )
 
 SAMPLING_SETTINGS: tuple[Param, ...] = (
@@ -65,6 +74,10 @@ class Settings:
     groups: str = _CACHE["groups"].default
     positions: str = _CACHE["positions"].default
     aggregate: str = _CACHE["aggregate"].default
+    recall: str = _CACHE["recall"].default
+    recall_groups: int = _CACHE["recall_groups"].default
+    recall_tokens: int | None = _CACHE["recall_tokens"].default  # None: derived (budget // 4)
+    recall_threshold: float = _CACHE["recall_threshold"].default
 
     # -- derived ----------------------------------------------------------------------------------------------
     @property
@@ -74,6 +87,13 @@ class Settings:
     @property
     def slack_tokens(self) -> int:
         return max_slack(self.budget) if self.slack is None else self.slack
+
+    @property
+    def recall_limit(self) -> int:
+        """Positions recalled per user message at most: what the settings allow, and never more than the budget
+        leaves beside the sink, the window and one evictable position."""
+        wanted = self.budget // 4 if self.recall_tokens is None else self.recall_tokens
+        return max(0, min(wanted, self.budget - self.sink - self.window_tokens - 1))
 
     @property
     def capacity(self) -> int:

@@ -32,6 +32,10 @@ class TurnResult:
     expect: str | None = None
     hit: bool | None = None
     expect_nll: float | None = None
+    recalled_tokens: int = 0  # positions recall brought back before this turn's answer
+    recalled_groups: int = 0
+    recall_ms: float | None = None  # None: recall did not run
+    recalled: list[list[int]] = field(default_factory=list)  # [start, end) positions of each recalled group
     warnings: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:

@@ -35,6 +35,7 @@ SCHEMA: dict[str, tuple[dict, list]] = {
         "prompt_tokens": int, "new_tokens": int, "cache_tokens": int, "cache_bytes": int, "peak_cache_tokens": int,
         "evicted_tokens": int, "evicted_groups": int, "prefill_ms": float, "decode_ms_per_token": float,
         "stopped": str, "expect": str, "hit": int, "expect_nll": float, "warnings": str, "created_at": str,
+        "recalled_tokens": int, "recalled_groups": int, "recall_ms": float, "recalled": str,
     }, [("conversation_id", "turn")]),
     "eviction_events": ({
         "id": int, "conversation_id": int, "turn": int, "reason": str, "before": int, "after": int,
@@ -44,7 +45,7 @@ SCHEMA: dict[str, tuple[dict, list]] = {
         "id": int, "conversation_id": int, "turn": int, "changes": str, "settings": str, "created_at": str,
     }, [("conversation_id", "turn")]),
 }
-JSON_FIELDS = {"settings", "kept", "tokens", "warnings", "changes"}
+JSON_FIELDS = {"settings", "kept", "tokens", "warnings", "changes", "recalled"}
 STAT_FIELDS = [c for c in SCHEMA["turn_stats"][0] if c not in ("id", "conversation_id")]
 
 

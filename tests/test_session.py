@@ -48,8 +48,8 @@ def test_cache_never_exceeds_budget_plus_slack(tiny, arch, groups, policy):
     seen = []
     forward = session.forward
 
-    def checked(ids, abs_pos, all_logits=False):
-        out = forward(ids, abs_pos, all_logits)
+    def checked(ids, abs_pos, all_logits=False, **kw):
+        out = forward(ids, abs_pos, all_logits, **kw)
         seen.append(session.cache.length)
         return out
 
@@ -196,9 +196,9 @@ def test_rerotate_keeps_positions_within_budget_forever(tiny):
     given, absolute = [], []  # the position ids the model received; the tokens' absolute positions
     forward = session.forward
 
-    def recorded(ids, abs_pos, all_logits=False):
+    def recorded(ids, abs_pos, all_logits=False, **kw):
         absolute.extend(abs_pos.tolist())
-        return forward(ids, abs_pos, all_logits)
+        return forward(ids, abs_pos, all_logits, **kw)
 
     def record_positions(module, args, kwargs):
         given.extend(kwargs["position_ids"].flatten().tolist())

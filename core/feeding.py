@@ -1,0 +1,108 @@
+"""Feeding tokens through the model on top of the cache: a turn's prefill (with recall between a user message and
+what answers it), chunked forwards that compress first when the cache has no room, and the forward itself.
+Mixed into ``Session``."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from . import compress
+from .observe import Observer
+from .recall import QueryTap, recall
+from .tokens import encode
+from .turns import TurnResult
+
+
+class Feeding:
+    def _encode(self, text: str) -> list[int]:
+        return encode(self.model.tokenizer, text)
+
+    @property
+    def recalling(self) -> bool:
+        """Whether a user message followed by an answer recalls evicted text (recall on, a bounded policy, and the
+        conversation's archive to recall from)."""
+        return self.settings.recall == "on" and self.policy.bounded and self.archive is not None
+
+    def _prefill(self, res: TurnResult, segments, want_logprobs: bool = False):
+        """Feed a turn's segments. When the first is a user message and something answers it, recall runs between
+        the two: the message's queries choose what comes back before the answer is fed or generated."""
+        t0 = time.perf_counter()
+        first_role = self.messages[segments[0][1]]["role"]
+        if len(segments) > 1 and first_role == "user" and self.recalling:
+            tap = QueryTap(self.archive.digests.layers)
+            head = self._feed(segments[:1], want_logprobs=want_logprobs, tap=tap)
+            for key, value in recall(self, tap).items():
+                setattr(res, key, value)
+            out = self._feed(segments[1:], want_logprobs=want_logprobs)
+            if want_logprobs:  # one sequence of scores, as if fed at once: the boundary token scored by head's logits
+                nxt = segments[1][0][0]
+                lp = torch.log_softmax(head[0].float().cpu(), -1)[nxt]
+                out = (out[0], torch.cat([head[1], lp[None], out[1]]),
+                       torch.cat([head[2], torch.tensor([int(head[0].argmax()) == nxt]), out[2]]))
+        else:
+            out = self._feed(segments, want_logprobs=want_logprobs)
+        res.prefill_ms = 1000 * (time.perf_counter() - t0)
+        res.prompt_tokens = sum(len(ids) for ids, _ in segments)
+        return out
+
+    def _feed(self, segments: list[tuple[list[int], int]], want_logprobs: bool = False,
+              continue_message: bool = False, tap: QueryTap | None = None):
+        """Feed tokens ([(ids, message index)]) through the model on top of the cache, compressing as needed.
+
+        Returns (last logits, next-token log-probs, top-1 flags); the latter two only with ``want_logprobs``
+        (entry j scores token j+1 of the fed sequence). ``tap`` keeps the queries of the tokens that are not
+        special (template) tokens, for recall.
+        """
+        positions = self.log.append_messages(self.model.tokenizer,
+                                             [(ids, m, self.messages[m]["role"]) for ids, m in segments],
+                                             self.turn, continue_message)
+        ids = torch.tensor([i for seg, _ in segments for i in seg], dtype=torch.long)
+        special = torch.tensor(sorted(self.model.tokenizer.all_special_ids), dtype=torch.long)
+        total = ids.numel()
+        logprobs, top1, i, logits = [], [], 0, None
+        while i < total:
+            c = compress.make_room(self, total - i)
+            if tap is not None:
+                tap.keep = ~torch.isin(ids[i: i + c], special)
+            logits = self.forward(ids[i: i + c], positions[i: i + c], all_logits=want_logprobs, tap=tap)
+            if want_logprobs:
+                targets = ids[i + 1: i + c + 1]
+                lp = torch.log_softmax(logits[: targets.numel()].float(), dim=-1).cpu()
+                logprobs.append(lp.gather(1, targets[:, None])[:, 0])
+                top1.append(lp.argmax(-1) == targets)
+            i += c
+        self.last_logits = logits[-1]
+        if want_logprobs:
+            return self.last_logits, torch.cat(logprobs), torch.cat(top1)
+        return self.last_logits, None, None
+
+    def forward(self, ids: torch.Tensor, abs_pos: torch.Tensor, all_logits: bool = False,
+                tap: QueryTap | None = None) -> torch.Tensor:
+        """One model forward of ``ids`` (absolute positions ``abs_pos``) on top of the cache; the logits."""
+        if self.settings.positions == "original":
+            pos = abs_pos
+        else:
+            pos = torch.arange(self.cache.length, self.cache.length + ids.numel())
+        device = self.model.device
+        self.cache.incoming_abs = abs_pos.to(device=device, dtype=torch.int32)
+        extra = {}
+        if self.observer is not None:
+            self.observer.positions = pos.to(device)
+            extra["kvchat_observer"] = self.observer
+        if tap is not None:
+            tap.positions = pos.to(device)
+            tap.keep = tap.keep.to(device) if tap.keep is not None else None
+            extra["kvchat_tap"] = tap
+        with torch.no_grad():
+            out = self.model.model(input_ids=ids[None].to(device), position_ids=pos[None].to(device),
+                                   past_key_values=self.cache, use_cache=True,
+                                   logits_to_keep=0 if all_logits else 1, **extra)
+        if self.cache.archive is not None:
+            self.cache.archive.append(pos)
+        return out.logits[0]
+
+    def make_observer(self, policy) -> Observer | None:
+        accumulate, window = "acc" in policy.observes, policy.obs_window
+        return Observer(self.cache, accumulate, window) if accumulate or window else None

@@ -1,0 +1,259 @@
+"""Recall: evicted text comes back when a new user message needs it.
+
+Every sentence group ever fed has a *digest* on disk beside the archive (``Digests``): for a few scoring layers
+spread through the model's depth and for every KV head, the ``REPS`` keys of the group with the largest norm,
+un-rotated to position 0 so that relevance does not depend on where the group sat. When a user message has been
+fed, its queries in those layers (``QueryTap``, un-rotated the same way) score every group with the model's own
+attention (``relevance``): per layer, each query's softmax over the groups' representative keys; a group's score is
+the largest share any query (and query head) gives it, averaged over the scoring layers. The best groups the cache
+has (mostly) evicted are chosen (``choose``) and ``compress.compress(..., bring=...)`` puts them back into every
+layer and head, displacing the running policy's lowest-scored tokens: kept and recalled keys alike are the archived
+keys rotated once to their place in conversation order, so the cache stays a pure function of the archive and its
+slot state (and resumes exactly).
+
+Digests are written when a turn closes, synced and truncated with the archive; a conversation with recall off keeps
+them too, so recall switched on later reaches the whole chat.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+REPS = 4  # representative keys per group, layer and KV head
+SCORING_LAYERS = 8  # layers whose queries and keys score relevance
+QUERY_ROWS = 64  # the latest query rows of a user message kept for scoring
+
+
+def scoring_layers(num_layers: int) -> list[int]:
+    """Up to ``SCORING_LAYERS`` layers evenly spread over the middle of the network (its first and last fifth
+    attend mostly locally or to the output)."""
+    lo, hi = num_layers // 5, max(num_layers // 5, num_layers - 1 - num_layers // 5)
+    return sorted({round(x) for x in np.linspace(lo, hi, min(SCORING_LAYERS, hi - lo + 1))})
+
+
+class Digests:
+    """Append-only digests of sentence groups: ``digest.bin`` ([layers, heads, REPS, key dim] float16 per group)
+    and ``groups.bin`` (int32 start and end position per group)."""
+
+    def __init__(self, folder: Path, num_layers: int):
+        self.folder = Path(folder)
+        self.layers = scoring_layers(num_layers)
+        self.count = 0  # groups written
+        self.covered = 0  # positions digested (the end of the last group)
+        self.layout: tuple[int, int] | None = None  # heads, key dim
+        self._files = None
+        if (self.folder / "digest.txt").is_file():
+            heads, kdim, *layers = map(int, (self.folder / "digest.txt").read_text().split())
+            self.layout, self.layers = (heads, kdim), layers
+            self.count = min(_size(self.folder / "groups.bin") // 8, _size(self.folder / "digest.bin") // self._record)
+            if self.count:
+                self.covered = int(np.fromfile(self.folder / "groups.bin", dtype=np.int32,
+                                               count=2 * self.count)[-1])
+
+    @property
+    def _record(self) -> int:
+        heads, kdim = self.layout
+        return len(self.layers) * heads * REPS * kdim * 2
+
+    def add(self, archive, sentence: torch.Tensor, n: int, rotary) -> int:
+        """Digest the groups of positions ``covered .. n`` (whole groups: ``n`` ends one); returns how many."""
+        if n <= self.covered or archive.layout is None:
+            return 0
+        heads, kdim = archive.layout[0], archive.layout[1]
+        if self.layout is None:
+            from .archive import fsync_dir
+
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.layout = (heads, kdim)
+            (self.folder / "digest.txt").write_text(" ".join(map(str, [heads, kdim, *self.layers])) + "\n")
+            fsync_dir(self.folder)
+        _, counts = torch.unique_consecutive(sentence[self.covered: n], return_counts=True)
+        ends = self.covered + torch.cumsum(counts, 0)
+        starts = ends - counts
+        positions = torch.arange(self.covered, n)[None].expand(heads, -1)
+        keys = []
+        for li in self.layers:
+            k, _, computed = archive.keys_values(li, positions)
+            k = k.float()
+            keys.append(rotary.rotate(k, -computed.long()) if rotary is not None else k)
+        keys = torch.stack(keys)  # [layers, heads, m, kdim]
+        norms = keys.norm(dim=-1)
+        out = torch.empty(len(counts), len(self.layers), heads, REPS, kdim)
+        for g, (a, c) in enumerate(zip((starts - self.covered).tolist(), counts.tolist())):
+            top = norms[..., a: a + c].topk(min(REPS, c), -1).indices + a  # [layers, heads, <= REPS]
+            top = torch.cat([top, top[..., :1].expand(-1, -1, REPS - top.shape[-1])], -1)
+            out[g] = torch.gather(keys, 2, top[..., None].expand(-1, -1, -1, kdim))
+        files = self._open()
+        files[0].write(out.half().numpy().tobytes())
+        files[1].write(torch.stack([starts, ends], 1).to(torch.int32).numpy().tobytes())
+        self.count += len(counts)
+        self.covered = n
+        return len(counts)
+
+    def _open(self):
+        if self._files is None:
+            self._files = (open(self.folder / "digest.bin", "ab"), open(self.folder / "groups.bin", "ab"))
+        return self._files
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Group spans [groups, 2] (start, end) and digests [groups, layers, heads, REPS, kdim] (float16)."""
+        if not self.count:
+            return torch.zeros(0, 2, dtype=torch.long), torch.zeros(0)
+        if self._files is not None:
+            for f in self._files:
+                f.flush()
+        heads, kdim = self.layout
+        spans = np.fromfile(self.folder / "groups.bin", dtype=np.int32, count=2 * self.count).reshape(-1, 2)
+        digests = np.memmap(self.folder / "digest.bin", dtype=np.float16, mode="c",
+                            shape=(self.count, len(self.layers), heads, REPS, kdim))
+        return torch.from_numpy(spans).long(), torch.from_numpy(np.asarray(digests))
+
+    def sync(self) -> None:
+        if self._files is not None:
+            for f in self._files:
+                f.flush()
+                os.fsync(f.fileno())
+
+    def truncate(self, n: int) -> None:
+        """Forget the groups that end after position ``n``."""
+        if not self.count:
+            return
+        self.close()
+        spans = np.fromfile(self.folder / "groups.bin", dtype=np.int32, count=2 * self.count).reshape(-1, 2)
+        keep = int(np.searchsorted(spans[:, 1], n, side="right"))
+        for name, size in (("digest.bin", keep * self._record), ("groups.bin", keep * 8)):
+            if _size(self.folder / name) > size:
+                with open(self.folder / name, "r+b") as f:
+                    f.truncate(size)
+        self.count = keep
+        self.covered = int(spans[keep - 1, 1]) if keep else 0
+
+    def close(self) -> None:
+        if self._files is not None:
+            for f in self._files:
+                f.close()
+            self._files = None
+
+    def delete(self) -> None:
+        self.close()
+        for name in ("digest.bin", "groups.bin", "digest.txt"):
+            (self.folder / name).unlink(missing_ok=True)
+
+    @property
+    def nbytes(self) -> int:
+        return self.count * (self._record + 8) if self.layout is not None else 0
+
+
+class QueryTap:
+    """Keeps the latest query rows of the scoring layers while a user message is fed (the attention function calls
+    it with each layer's query states); ``positions`` is set by the engine before each forward."""
+
+    def __init__(self, layers: list[int]):
+        self.layers = set(layers)
+        self.positions: torch.Tensor | None = None
+        self.queries: dict[int, torch.Tensor] = {}  # layer -> [query heads, rows, dim]
+        self.qpos: dict[int, torch.Tensor] = {}
+        self.keep: torch.Tensor | None = None  # rows of the forward to keep (bool), None: all
+        self.scaling: dict[int, float] = {}
+
+    def __call__(self, module, query: torch.Tensor, scaling: float | None) -> None:
+        li = module.layer_idx
+        if li not in self.layers:
+            return
+        self.scaling[li] = scaling if scaling is not None else query.shape[-1] ** -0.5
+        q, pos = query[0].float(), self.positions
+        if self.keep is not None:
+            q, pos = q[:, self.keep], pos[self.keep]
+        if li in self.queries:
+            q, pos = torch.cat([self.queries[li], q], 1), torch.cat([self.qpos[li], pos])
+        self.queries[li], self.qpos[li] = q[:, -QUERY_ROWS:], pos[-QUERY_ROWS:]
+
+    def unrotated(self, rotary) -> dict[int, torch.Tensor]:
+        if rotary is None:
+            return self.queries
+        return {li: rotary.rotate(q, -self.qpos[li].long()[None].to(q.device)) for li, q in self.queries.items()}
+
+
+def relevance(digests: torch.Tensor, layers: list[int], queries: dict[int, torch.Tensor],
+              scaling: dict[int, float]) -> torch.Tensor:
+    """[groups] the mean over scoring layers of the largest attention share (softmax over groups of the best
+    representative key) any query row and query head gives each group."""
+    groups, _, heads, reps, kdim = digests.shape
+    total = torch.zeros(groups)
+    used = 0
+    for si, li in enumerate(layers):
+        q = queries.get(li)
+        if q is None:
+            continue
+        qh = q.reshape(heads, -1, kdim)  # the query heads sharing a KV head, all rows: [heads, g * rows, dim]
+        d = digests[:, si].to(q.device, torch.float32).permute(1, 0, 2, 3).reshape(heads, groups * reps, kdim)
+        s = torch.bmm(qh, d.transpose(1, 2)).view(heads, qh.shape[1], groups, reps).amax(-1)
+        total += (s * scaling.get(li, kdim ** -0.5)).softmax(-1).amax((0, 1)).cpu()
+        used += 1
+    return total / max(used, 1)
+
+
+def scaffolding(model) -> torch.Tensor:
+    """Token ids the chat template wraps every message in (role headers, end markers): a group made of these alone
+    carries nothing to recall."""
+    chat, encode = model.chat, lambda text: model.tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = set(model.tokenizer.all_special_ids)
+    for role in ("user", "assistant"):
+        marker = "xq"
+        seg = chat.segment([{"role": "user", "content": "hi"}] if role == "assistant" else [],
+                           {"role": role, "content": marker})
+        head, _, tail = seg.partition(marker)
+        ids |= set(encode(head)) | set(encode(tail))
+    return torch.tensor(sorted(ids), dtype=torch.long)
+
+
+def choose(relevance: torch.Tensor, spans: torch.Tensor, held: torch.Tensor, content: torch.Tensor, groups: int,
+           tokens: int, threshold: float) -> list[int]:
+    """The groups to bring back: best first, at most ``groups`` of them and ``tokens`` positions in all, each
+    scoring at least ``threshold``, holding more than template scaffolding (``content``: per position) and mostly
+    evicted now (less than half of its (layer, head, position) slots held)."""
+    chosen, used = [], 0
+    for g in relevance.argsort(descending=True).tolist():
+        if len(chosen) >= groups or relevance[g] < threshold:
+            break
+        a, b = spans[g].tolist()
+        if held[a:b].mean() >= 0.5 or not content[a:b].any() or used + (b - a) > tokens:
+            continue
+        chosen.append(g)
+        used += b - a
+    return sorted(chosen)
+
+
+def recall(session, tap: QueryTap) -> dict:
+    """Score the archived groups against the queries ``tap`` kept and bring the best back into the cache;
+    returns what came back ({"recalled_tokens", "recalled_groups", "recall_ms", "recalled": [[start, end]]})."""
+    from . import compress
+
+    t0 = time.perf_counter()
+    s, archive = session.settings, session.archive
+    spans, digests = archive.digests.read()
+    out = {"recalled_tokens": 0, "recalled_groups": 0, "recall_ms": 0.0, "recalled": []}
+    if spans.shape[0] and tap.queries:
+        rel = relevance(digests, archive.digests.layers, tap.unrotated(session.model.rotary), tap.scaling)
+        if session.model.scaffolding is None:
+            session.model.scaffolding = scaffolding(session.model)
+        content = ~torch.isin(session.log.column("token").long(), session.model.scaffolding)
+        picked = choose(rel, spans, session.held_fraction(), content, s.recall_groups, s.recall_limit,
+                        s.recall_threshold)
+        if picked:
+            bring = torch.cat([torch.arange(*spans[g].tolist()) for g in picked])
+            compress.compress(session, s.budget, "recall", bring=bring)
+            session.recall_guard = torch.cat([session.recall_guard, bring])
+            out.update(recalled_tokens=int(bring.numel()), recalled_groups=len(picked),
+                       recalled=[spans[g].tolist() for g in picked])
+    out["recall_ms"] = 1000 * (time.perf_counter() - t0)
+    return out
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.is_file() else 0

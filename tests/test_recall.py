@@ -1,0 +1,176 @@
+"""Recall: evicted text comes back into the cache when a new message needs it, within the budget, at its place in
+conversation order, with keys exactly the archived ones moved to their new positions; live, durable, and gone with
+its conversation."""
+
+import json
+
+import pytest
+import torch
+
+from helpers import SHARED
+from kvchat.core.session import Sampling, Session
+from kvchat.core.settings import Settings
+from kvchat.storage.db import Store
+from test_durability import TURNS, assert_same_cache
+
+GREEDY = Sampling(max_new_tokens=10, temperature=0.0)
+BOUNDED = ["streaming", "window", "h2o", "tova", "snapkv", "cake", "headaware"]
+
+
+def _settings(**kw):
+    return Settings(**{"policy": "streaming", "budget": 48, "window": 8, "slack": 6, "recall": "on",
+                       "groups": "sentence", **kw})
+
+
+def _chat(session, rounds=2):
+    results = []
+    for _ in range(rounds):
+        for user, reply in TURNS:
+            results.append(session.exchange(user, reply))
+    return results
+
+
+def _assert_archived_keys(session):
+    """Every held key is the archived key rotated once from where it was computed to its slot's position."""
+    original = session.settings.positions == "original"
+    for li, layer in enumerate(session.cache.layers):
+        for h in range(layer.heads):
+            held = layer.head_view(layer.abs_pos, h).long()[None]
+            assert torch.all(held[0, 1:] > held[0, :-1]), "slots are in conversation order"
+            target = held if original else layer.pos_off[h] + torch.arange(held.shape[1])[None]
+            keys, values, computed = session.archive.keys_values(li, held, [h])
+            expected = session.model.rotary.rotate(keys, target - computed.long())
+            assert torch.equal(layer.head_view(layer.keys, h), expected[0].to(layer.dtype))
+            assert torch.equal(layer.head_view(layer.values, h), values[0])
+
+
+@pytest.mark.parametrize("policy", BOUNDED)
+def test_recall_brings_evicted_groups_back_within_the_bound(tiny, tmp_path, policy):
+    session = Session(tiny("llama"), _settings(policy=policy), store=Store(tmp_path / "r.db"), sampling=GREEDY)
+    bound = session.settings.capacity
+    seen = []
+    forward = session.forward
+
+    def checked(*a, **kw):
+        out = forward(*a, **kw)
+        # cake and headaware split budget x layers among layers (and heads): their bound is on the mean
+        seen.append(session.cache.mean_length if policy in ("cake", "headaware") else session.cache.length)
+        return out
+
+    session.forward = checked
+    results = _chat(session) + [session.chat("And what did I say about the sea?")]
+    recalled = [r for r in results if r.recalled_tokens]
+    assert recalled, "something evicted came back"
+    assert max(seen) <= bound
+    for r in results:
+        assert r.recall_ms is not None and r.recalled_groups == len(r.recalled) <= session.settings.recall_groups
+        assert r.recalled_tokens == sum(b - a for a, b in r.recalled) <= session.settings.recall_limit
+    last = recalled[-1]
+    if last is results[-1]:  # the recalled groups are held after the answer in every layer and head
+        held = session.held_fraction()
+        for a, b in last.recalled:
+            assert torch.all(held[a:b] == 1.0)
+
+
+@pytest.mark.parametrize("positions", ["rerotate", "original"])
+def test_recalled_keys_are_the_archived_keys_at_their_new_positions(tiny, tmp_path, positions):
+    session = Session(tiny("llama"), _settings(policy="h2o", positions=positions), store=Store(tmp_path / "k.db"),
+                      sampling=GREEDY)
+    _chat(session)
+    res = session.chat("Tell me again about the mountains.")
+    assert res.recalled_tokens > 0
+    _assert_archived_keys(session)
+    if positions == "rerotate":  # contiguous positions 0..n-1 in every layer: the next token continues at n
+        for layer in session.cache.layers:
+            assert set(p + n for p, n in zip(layer.pos_off, layer.lens)) == {session.cache.length}
+
+
+def test_a_recall_turn_reopens_exactly(tiny, tmp_path):
+    model = tiny("qwen2")
+    live = Session(model, _settings(policy="snapkv"), store=Store(tmp_path / "d.db"), sampling=GREEDY)
+    for user, reply in TURNS * 2:
+        res = live.exchange(user, reply)
+        reopened = Session.resume(model, Store(tmp_path / "d.db"), live.conversation_id, sampling=GREEDY)
+        assert reopened.restored_from == "archive"
+        assert_same_cache(reopened, live)
+    assert res.recalled_tokens > 0
+    rows = Store(tmp_path / "d.db").turn_stats(live.conversation_id)
+    assert [r["recalled"] for r in rows[-2:]] == [h.recalled for h in live.history[-2:]]
+    assert rows[-1]["recalled_tokens"] == res.recalled_tokens and rows[-1]["recall_ms"] > 0
+    assert reopened.chat("And the rivers?").answer == live.chat("And the rivers?").answer
+
+
+def test_recall_switches_live_and_undo_takes_it_back(tiny, tmp_path):
+    session = Session(tiny("llama"), _settings(recall="off"), store=Store(tmp_path / "s.db"), sampling=GREEDY,
+                      undo=True)
+    off = _chat(session)
+    assert all(r.recalled_tokens == 0 and r.recall_ms is None for r in off)
+    session.configure(recall="on")
+    before = session.kept_positions()
+    on = session.chat("What about the sea, again?")
+    assert on.recalled_tokens > 0  # the digests of turns fed with recall off are there
+    session.undo()
+    assert torch.equal(session.kept_positions(), before)
+    session.configure(recall="off")
+    assert session.chat("What about the sea, again?").recalled_tokens == 0
+
+
+def test_recall_needs_nothing_that_is_not_evicted(tiny, tmp_path):
+    """A budget larger than the chat evicts nothing, so recall changes nothing: the full cache's greedy replies."""
+    model = tiny("llama")
+    answers = {}
+    for recall in ("off", "on"):
+        session = Session(model, _settings(budget=400, window=None, slack=None, recall=recall),
+                          store=Store(tmp_path / f"{recall}.db"), sampling=GREEDY)
+        answers[recall] = [session.chat(u).answer for u, _ in TURNS]
+        assert session.evicted_total == 0 and all(r.recalled_tokens == 0 for r in session.history)
+    assert answers["on"] == answers["off"]
+
+
+def test_deleting_a_conversation_deletes_its_recall_digests(tiny, tmp_path):
+    store = Store(tmp_path / "x.db")
+    session = Session(tiny("llama"), _settings(), store=store, sampling=GREEDY)
+    _chat(session, rounds=1)
+    folder = session.archive.folder
+    assert (folder / "digest.bin").stat().st_size > 0 and session.archive.digests.covered == session.total_tokens
+    session.close()
+    store.delete(session.conversation_id)
+    assert not folder.exists()
+
+
+@pytest.mark.parametrize("bad", [{"recall": "maybe"}, {"recall_groups": 0}, {"recall_tokens": -3},
+                                 {"recall_threshold": 2.0}, {"recall_threshold": "high"}])
+def test_bad_recall_settings_are_refused(tiny, bad):
+    session = Session(tiny("llama"), _settings())
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        session.configure(**bad)
+    assert session.settings.recall == "on"
+
+
+def _filler(n):
+    convs = json.loads((SHARED / "fastchat" / "dummy_conversation.json").read_text())
+    return [(c["conversations"][0]["value"], c["conversations"][1]["value"]) for c in convs
+            if len(c["conversations"]) >= 2 and c["conversations"][0]["from"] == "human"][:n]
+
+
+def test_an_evicted_fact_comes_back_for_a_question_in_other_words(smol, tmp_path):
+    """The default model: a fact planted at the start and evicted by 600+ tokens of chat at budget 128 comes back
+    for a question sharing almost no words with it, and the probe predicts it (recall off: it does not)."""
+    fact = "I parked the car on level 4 of the garage, spot K12."
+    results = {}
+    for recall in ("off", "on"):
+        session = Session(smol, Settings(policy="streaming", budget=128, window=32, slack=16, recall=recall),
+                          store=Store(tmp_path / f"{recall}.db"), sampling=GREEDY)
+        session.exchange(fact, "Noted, I will remember that.")
+        planted = session.log.column("message") == len(session.messages) - 2
+        for pair in _filler(40):
+            if session.total_tokens >= 700:
+                break
+            session.exchange(*pair)
+        assert session.held_fraction()[: planted.numel()][planted].max() == 0.0, "the fact was evicted"
+        results[recall] = session.probe("Where did I leave the car?", "You left it on level 4, spot K12.", "4")
+        text = [smol.tokenizer.decode(session.log.column("token")[a:b].tolist()) for a, b in
+                results[recall].recalled]
+        assert (fact in text) == (recall == "on")
+    assert results["on"].hit and not results["off"].hit
+    assert results["on"].expect_nll < results["off"].expect_nll - 1.0
