@@ -282,6 +282,7 @@ def _fmt_row(script_i: int, r) -> str:
     ans = (r.answer or "").replace("\n", " ")[:48]
     hit = "" if r.hit is None else (" HIT" if r.hit else " miss")
     nll = f" nll={r.expect_nll:.2f}" if r.expect_nll is not None else ""
+    nll += f" recalled={r.recalled_tokens}" if r.recalled_tokens else ""
     return (f"{script_i:3d} {r.turn:5d} {r.prompt_tokens:6d} {r.new_tokens:5d} {r.peak_cache_tokens:6d} "
             f"{r.cache_bytes / 2**20:8.1f} {r.evicted_tokens:6d} {r.prefill_ms:8.0f} {dms}  {ans}{hit}{nll}")
 
@@ -348,7 +349,7 @@ def _human_summary(s: dict) -> str:
     nll = f", mean expect NLL {s['mean_expect_nll']:.3f}" if s["mean_expect_nll"] is not None else ""
     return (f"{head}{s['policy']} {s['turns']} turns, {s['total_tokens']} tokens, max cache {s['max_cache_tokens']} "
             f"tokens / {s['max_cache_bytes'] / 2**20:.1f} MiB, evicted {s['evicted_tokens']}, "
-            f"hits {s['hits']}/{s['expected']}{nll}, {s['wall_s']:.1f} s, peak RSS {s['peak_rss_mb']:.0f} MB")
+            f"hits {s['hits']}/{s['expected']}{nll}, recalled {s['recalled_tokens']}, {s['wall_s']:.1f} s, peak RSS {s['peak_rss_mb']:.0f} MB")
 
 
 def _chat_help() -> str:
@@ -515,7 +516,9 @@ def cmd_chat(args) -> int:
                 print(" [stopped]", end="")
             res = session.history[-1]
             print(f"\n  [{res.new_tokens} tokens, {time.perf_counter() - t:.1f} s, cache {res.cache_tokens} "
-                  f"tokens / {res.cache_bytes / 2**20:.1f} MiB, evicted {res.evicted_tokens}]", file=sys.stderr)
+                  f"tokens / {res.cache_bytes / 2**20:.1f} MiB, evicted {res.evicted_tokens}"
+                  + (f", recalled {res.recalled_tokens} in {res.recall_ms:.0f} ms" if res.recalled_tokens else "")
+                  + "]", file=sys.stderr)
             for w in res.warnings:
                 print(f"warning: {w}", file=sys.stderr)
     finally:

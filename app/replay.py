@@ -255,7 +255,7 @@ def stored_prefix(script: Script, store, conversation_id: int, default_system: s
 
 TURN_FIELDS = ("turn", "role", "prompt_tokens", "new_tokens", "cache_tokens", "cache_bytes", "peak_cache_tokens",
                "evicted_tokens", "evicted_groups", "prefill_ms", "decode_ms_per_token", "stopped", "answer",
-               "expect", "hit", "expect_nll")
+               "expect", "hit", "expect_nll", "recalled_tokens", "recalled_groups", "recall_ms")
 
 
 class Summary:
@@ -284,6 +284,10 @@ class Summary:
             "hits": sum(1 for r in rs if r.hit),
             "expected": sum(1 for r in rs if r.expect is not None),
             "mean_expect_nll": sum(nlls) / len(nlls) if nlls else None,
+            "recalled_tokens": sum(r.recalled_tokens or 0 for r in rs),
+            "recalled_groups": sum(r.recalled_groups or 0 for r in rs),
+            "mean_recall_ms": (sum(ms) / len(ms)) if (ms := [r.recall_ms for r in rs if r.recall_ms is not None])
+            else None,
             "wall_s": round(time.perf_counter() - self.start, 3),
             "peak_rss_mb": round(peak_rss_mb(), 1),
         }

@@ -58,6 +58,7 @@ def charts(session: Session, store: Store, rss: dict[int, float], per_position: 
     mbytes = [r["cache_bytes"] / MB for r in rows]
     speed = [1000 / r["decode_ms_per_token"] if r["decode_ms_per_token"] else None for r in rows]
     evicted = [r["evicted_tokens"] for r in rows]
+    recalled = [r.get("recalled_tokens") or 0 for r in rows]
     rss_turns = [t for t in turns if t in rss]
     rss_vals = [rss[t] for t in rss_turns]
     if live is not None:
@@ -69,7 +70,7 @@ def charts(session: Session, store: Store, rss: dict[int, float], per_position: 
         rss_turns, rss_vals = rss_turns + [live.turn], rss_vals + [live.rss_mb]
 
     fig = make_subplots(rows=2, cols=3, horizontal_spacing=0.07, vertical_spacing=0.16, subplot_titles=(
-        "cache (positions per layer)", "cache memory (MB)", "evicted tokens per turn",
+        "cache (positions per layer)", "cache memory (MB)", "evicted / recalled tokens per turn",
         "decode speed (tokens/s)", "process memory (RSS, MB)", "positions held per layer now"))
     line = dict(mode="lines+markers", marker=dict(size=5))
     fig.add_trace(go.Scatter(x=turns, y=tokens, name="cache", line=dict(color="#1f77b4"), **line), 1, 1)
@@ -84,6 +85,9 @@ def charts(session: Session, store: Store, rss: dict[int, float], per_position: 
                   1, 2)
     fig.add_trace(go.Bar(x=[r["turn"] for r in rows], y=evicted, name="evicted", marker_color="#7f7f7f",
                          showlegend=False), 1, 3)
+    if any(recalled):
+        fig.add_trace(go.Bar(x=[r["turn"] for r in rows], y=recalled, name="recalled", marker_color="#2ca02c",
+                             showlegend=False), 1, 3)
     fig.add_trace(go.Scatter(x=turns, y=speed, name="tokens/s", line=dict(color="#2ca02c"), showlegend=False,
                              **line), 2, 1)
     fig.add_trace(go.Scatter(x=rss_turns, y=rss_vals, name="RSS", line=dict(color="#9467bd"), showlegend=False,
@@ -167,11 +171,15 @@ def cache_view(session: Session) -> str:
     levels = [2 if h >= 0.9999 else 1 if h > 0 else 0 for h in rows["held"]]
     seen = sum(1 for h in levels if h)
     full = sum(1 for h in levels if h == 2)
+    # recall brought it back and the cache still holds it: marked apart from what never left
+    levels = [3 if r and lv else lv for lv, r in zip(levels, rows["recalled"])]
+    recalled = sum(1 for lv in levels if lv == 3)
     tok = session.model.tokenizer
     parts = [f'<p class="kv-summary">The model still sees <b>{seen:,}</b> of {n:,} tokens ({100 * seen / n:.0f}%)'
-             f': {full:,} in every head, {seen - full:,} in some heads, {n - seen:,} evicted.'
+             f': {full:,} in every head, {seen - full:,} in some heads, {n - seen:,} evicted'
+             + (f"; {recalled:,} of them recalled." if recalled else ".")
              + (f" Showing the last {VIEW_TOKENS:,}." if start else "") + "</p>"]
-    cls = {2: "kv-kept", 1: "kv-partial", 0: "kv-evicted"}
+    cls = {3: "kv-recalled", 2: "kv-kept", 1: "kv-partial", 0: "kv-evicted"}
     i, open_msg = start, None
     while i < n:
         if message[i] != open_msg:
@@ -184,7 +192,8 @@ def cache_view(session: Session) -> str:
         while j < n and message[j] == open_msg and levels[j] == levels[i]:
             j += 1
         text = tok.decode(tokens[i:j], skip_special_tokens=False)
-        parts.append(f'<span class="{cls[levels[i]]}">{html.escape(text)}</span>')
+        title = ' title="recalled from the archive"' if levels[i] == 3 else ""
+        parts.append(f'<span class="{cls[levels[i]]}"{title}>{html.escape(text)}</span>')
         i = j
     parts.append("</div>")
     return '<div class="kv-cacheview">' + "".join(parts) + "</div>"

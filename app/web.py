@@ -45,6 +45,7 @@ CSS = """
                          text-transform: uppercase; opacity: 0.7; }
 .kv-cacheview .kv-evicted { color: #a0a0a0; background: #f1f1f1; text-decoration: line-through; }
 .kv-cacheview .kv-partial { background: #fff3c4; }
+.kv-cacheview .kv-recalled { background: #c9f2d0; outline: 1px dashed #2ca02c; }
 .kv-cacheview .kv-summary { font-family: ui-sans-serif, sans-serif; font-size: 13px; }
 """
 
@@ -248,7 +249,9 @@ class WebApp:
         entry.rss_mb[res.turn] = rss_mb()
         speed = f", {1000 / res.decode_ms_per_token:.1f} tokens/s" if res.decode_ms_per_token else ""
         status = (f"reply: {res.new_tokens} tokens{speed}, prompt {res.prompt_tokens} tokens in {res.prefill_ms:.0f} ms"
-                  f"; {res.evicted_tokens} evicted; stopped by {res.stopped}")
+                  f"; {res.evicted_tokens} evicted"
+                  + (f"; {res.recalled_tokens} recalled in {res.recall_ms:.0f} ms" if res.recalled_tokens else "")
+                  + f"; stopped by {res.stopped}")
         status = "; ".join([status] + res.warnings)
         yield [chat_messages(s), gr.skip(), self._charts(entry), self._head_map(entry), cache_view(s),
                self._conversations(entry), status, self._info(key, entry)]

@@ -26,13 +26,17 @@ class SessionReads:
 
     @locked
     def token_rows(self, start: int = 0) -> dict[str, list]:
-        """From absolute position ``start`` on: token id, role name, message index, and the fraction of
-        (layer, KV head) pairs whose cache still holds it."""
+        """From absolute position ``start`` on: token id, role name, message index, the fraction of (layer, KV
+        head) pairs whose cache still holds it, and whether recall brought it back (in any turn)."""
         start = min(max(start, 0), self.log.n)
+        recalled = torch.zeros(self.log.n, dtype=torch.bool)
+        for res in self.history:
+            for a, b in res.recalled or []:
+                recalled[a:b] = True
         return {"start": start, "token": self.log.column("token")[start:].tolist(),
                 "role": [ROLES[r] for r in self.log.column("role")[start:].tolist()],
                 "message": self.log.column("message")[start:].tolist(),
-                "held": self.held_fraction()[start:].tolist()}
+                "held": self.held_fraction()[start:].tolist(), "recalled": recalled[start:].tolist()}
 
     @locked
     def kept_positions(self) -> torch.Tensor:

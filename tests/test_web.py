@@ -212,10 +212,21 @@ def test_chat_streams_and_live_settings_change_charts_and_cache_view(browser, se
         assert "h2o budget 48" in _info(page)
         _set_number(page, "kv-window", "")
 
-        # The next reply runs under the new policy and stays within budget + slack.
+        # Recall switched on live: the next reply runs under the new policy with what the question needs brought
+        # back from the archive, within budget + slack, and the cache view marks the recalled text.
+        before = _state(page)
+        page.click("#kv-recall label:has-text('on')")
+        _wait_done(page, before)
+        assert "recall off → on" in _status(page)
         _send(page, "Thanks. What was my locker code?")
         cache_now, cap = map(int, re.search(r"cache (\d+) / (\d+)", _info(page)).groups())
         assert cap == 48 + 64 and cache_now <= cap
+        assert re.search(r"\d+ recalled in \d+ ms", _status(page))
+        view.locator(".kv-recalled").first.wait_for()
+        assert re.search(r"[\d,]+ of them recalled", view.inner_text())
+        page.click("role=tab[name='Charts']")
+        assert "evicted / recalled tokens per turn" in page.inner_text("#kv-charts")
+        _shot(page, "03b-recalled-text")
 
         # Undo takes the last turn back (its question returns to the input); retry regenerates the same reply.
         answer = _bot_messages(page)[-1]
