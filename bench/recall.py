@@ -1,57 +1,85 @@
-"""Recall across turns: a fact planted in the first exchange, asked for after it would have left a window of the
-budget's size.
+"""Recall across turns: facts planted in the chat, asked for after 1K+ tokens of chat have evicted them, with recall
+of evicted text off and on.
 
-Each case: the user states a fact (a name, number, place or code from templates, seeded) and the assistant
-acknowledges it; filler exchanges follow (FastChat's dummy conversations and MT-Bench questions with GPT-4's
-reference answers, appended without generation) until the chat holds ``budget + --margin`` tokens; then the
-question. Scored both ways on the same cache: the generated answer (greedy) contains the fact; then that turn is
-undone and the probe runs: the reference answer teacher-forced, mean NLL of the fact's tokens and hit = each was
-the model's top choice. The full cache, holding everything, is the ceiling.
+Each case plants a fact (a code, a name, a place, a number: values random, seeded), at the start of the chat or
+in its middle, as a user message the assistant acknowledges; filler exchanges follow (FastChat's dummy
+conversations and MT-Bench questions with GPT-4's reference answers, appended without generation) until
+``--after`` tokens of chat follow the fact (and the chat is past the budget); then the question, of one of three
+kinds:
+
+* ``direct``: the question in the fact's words ("What is my bike lock code?");
+* ``paraphrase``: in other words ("Which numbers open the lock on my bicycle?");
+* ``distractor``: two more facts of the same kind are planted beside it ("my locker code is …", "my phone PIN is
+  …") and the direct question must find the right one.
+
+Scored both ways on the same cache: the generated answer (greedy) contains the fact; then that turn is undone and
+the probe runs: the reference answer teacher-forced, mean NLL of the fact's tokens and hit = each was the model's
+top choice. The full cache, holding everything, is the ceiling. Also measured: recall's cost (ms per user message,
+and the scoring alone against archives of 1K, 10K and 100K tokens), the question's time to first token with recall
+off and on, and the NLL of the assistant's MT-Bench answers replayed (teacher-forced) with recall off and on.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import statistics
+import time
 from pathlib import Path
 
+import torch
+
+from ..core.recall import REPS, choose, relevance, scoring_layers
 from ..core.session import Sampling, Session
 from ..core.settings import Settings
 from ..policies import POLICIES
+from ..storage.db import Store
 from .common import Run, data_dir, log, save_figure
 
 NAME = "recall"
 TITLE = "Recall across turns"
 BOUNDED = [p for p, cls in POLICIES.items() if cls.bounded]
-QUICK = {"policies": ["streaming", "h2o"], "budgets": [128], "cases": 2, "groups": [], "margin": 160,
-         "max_new_tokens": 8}
+KINDS = ("direct", "paraphrase", "distractor")
+QUICK = {"policies": ["streaming"], "budgets": [128], "cases": 2, "kinds": ["direct"], "after": 400,
+         "max_new_tokens": 8, "replay_turns": 6, "archive_sizes": [1000, 10000]}
 
+# (statement, direct question, paraphrased question, reference answer, value, family); a family's statements are
+# each other's same-kind distractors.
 FACTS = [
-    ("Please remember: my locker code is {v}.", "What is my locker code?", "Your locker code is {v}.",
-     lambda r: str(r.randint(1000, 9999))),
-    ("Please remember: my sister's name is {v}.", "What is my sister's name?", "Your sister's name is {v}.",
-     lambda r: r.choice(["Margaret", "Beatrice", "Eleanor", "Harriet", "Josephine", "Clementine"])),
-    ("Please remember: the meeting is in {v}.", "Where is the meeting?", "The meeting is in {v}.",
-     lambda r: r.choice(["Lisbon", "Nairobi", "Winnipeg", "Osaka", "Valparaiso", "Tbilisi"])),
-    ("Please remember: I parked on level {v} of the garage.", "Which level did I park on?",
-     "You parked on level {v}.", lambda r: str(r.randint(3, 9))),
-    ("Please remember: my flight number is {v}.", "What is my flight number?", "Your flight number is {v}.",
-     lambda r: f"{r.choice(['KL', 'AF', 'LH', 'BA'])}{r.randint(100, 999)}"),
-    ("Please remember: the wifi password is {v}.", "What is the wifi password?", "The wifi password is {v}.",
-     lambda r: r.choice(["bluefalcon", "copperkettle", "silverbirch", "quietharbor"])),
+    ("My bike lock code is {v}.", "What is my bike lock code?", "Which numbers open the lock on my bicycle?",
+     "Your bike lock code is {v}.", lambda r: str(r.randint(1000, 9999)), "code"),
+    ("My locker code is {v}.", "What is my locker code?", "Which combination opens my locker at the gym?",
+     "Your locker code is {v}.", lambda r: str(r.randint(1000, 9999)), "code"),
+    ("My phone PIN is {v}.", "What is my phone PIN?", "What do I type to unlock my mobile?",
+     "Your phone PIN is {v}.", lambda r: str(r.randint(1000, 9999)), "code"),
+    ("I parked the car on level {v} of the garage.", "Which level of the garage did I park on?",
+     "Where did I leave the car?", "You parked on level {v}.", lambda r: str(r.randint(2, 9)), "place"),
+    ("My sister's name is {v}.", "What is my sister's name?", "What is my sibling called?",
+     "Your sister's name is {v}.",
+     lambda r: r.choice(["Margaret", "Beatrice", "Eleanor", "Harriet", "Josephine", "Clementine"]), "name"),
+    ("My dentist is called Dr. {v}.", "What is my dentist called?", "Who looks after my teeth?",
+     "Your dentist is Dr. {v}.", lambda r: r.choice(["Okafor", "Lindqvist", "Moreau", "Tanaka", "Petrov"]), "name"),
+    ("The team meeting is in {v}.", "Where is the team meeting?", "In which city do my colleagues and I gather?",
+     "The team meeting is in {v}.", lambda r: r.choice(["Lisbon", "Nairobi", "Winnipeg", "Osaka", "Tbilisi"]),
+     "place"),
+    ("My flight number is {v}.", "What is my flight number?", "Which plane am I booked on?",
+     "Your flight number is {v}.", lambda r: f"{r.choice(['KL', 'AF', 'LH', 'BA'])}{r.randint(100, 999)}", "code"),
 ]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--policies", nargs="+", default=BOUNDED)
+    p.add_argument("--policies", nargs="+", default=["streaming", "h2o", "tova", "snapkv"])
     p.add_argument("--budgets", type=int, nargs="+", default=[256, 512])
-    p.add_argument("--groups", nargs="*", default=["sentence", "turn"], choices=["sentence", "turn"],
-                   help="group modes run besides token groups (at the smallest budget)")
-    p.add_argument("--cases", type=int, default=3, help="cases per cell (facts cycle through 6 templates)")
-    p.add_argument("--margin", type=int, default=256, help="history beyond the budget before the question")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    p.add_argument("--recall", nargs="+", default=["off", "on"], choices=["off", "on"])
+    p.add_argument("--cases", type=int, default=4, help="cases per kind and cell (facts cycle through the templates)")
+    p.add_argument("--after", type=int, default=1024, help="tokens of chat after the fact before the question")
+    p.add_argument("--max-new-tokens", type=int, default=12)
+    p.add_argument("--replay-turns", type=int, default=24, help="MT-Bench exchanges replayed for the answers' NLL")
+    p.add_argument("--archive-sizes", type=int, nargs="+", default=[1000, 10000, 100000],
+                   help="archived tokens at which recall's scoring is timed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--data", default=None, help="the shared data directory (default ../shared/data)")
 
@@ -82,113 +110,222 @@ def filler_pairs(data: Path) -> list[tuple[str, str]]:
     return out
 
 
-def make_cases(data: Path, n: int, seed: int) -> list[dict]:
+def make_cases(data: Path, kinds: list[str], n: int, seed: int) -> list[dict]:
     rnd = random.Random(seed)
     pairs = filler_pairs(data)
     cases = []
-    for i in range(n):
-        say, ask, ref, value = FACTS[i % len(FACTS)]
-        v = value(rnd)
-        start = rnd.randrange(len(pairs) - 120)
-        cases.append({"say": say.format(v=v), "ack": "Noted, I will remember that.", "ask": ask,
-                      "reference": ref.format(v=v), "expect": v, "filler": pairs[start: start + 120]})
+    for kind in kinds:
+        for i in range(n):
+            j = (i + KINDS.index(kind)) % len(FACTS)
+            say, direct, para, ref, value, family = FACTS[j]
+            v = value(rnd)
+            planted = [(say.format(v=v), "Noted, I will remember that.")]
+            if kind == "distractor":
+                others = [f for f in FACTS if f[5] == family and f is not FACTS[j]]
+                for other in rnd.sample(others, min(2, len(others))):
+                    w = other[4](rnd)
+                    while w == v:
+                        w = other[4](rnd)
+                    planted.append((other[0].format(v=w), "Noted, I will remember that."))
+                rnd.shuffle(planted)
+            start = rnd.randrange(len(pairs) - 200)
+            cases.append({"kind": kind, "where": "start" if i % 2 == 0 else "middle", "planted": planted,
+                          "ask": para if kind == "paraphrase" else direct, "reference": ref.format(v=v),
+                          "expect": v, "filler": pairs[start: start + 200]})
     return cases
 
 
-def run_case(cm, settings: Settings, case: dict, tokens: int, max_new_tokens: int) -> dict:
-    session = Session(cm, settings, sampling=Sampling(max_new_tokens=max_new_tokens, temperature=0.0), undo=True)
-    session.exchange(case["say"], case["ack"])
-    for user, assistant in case["filler"]:
-        if session.total_tokens >= tokens:
-            break
-        session.exchange(user, assistant)
-    if session.total_tokens < tokens:
-        raise ValueError(f"the filler ran out before {tokens} tokens")
-    answer = session.chat(case["ask"]).answer
+def run_case(cm, settings: Settings, case: dict, after: int, max_new_tokens: int, store: Store) -> dict:
+    session = Session(cm, settings, sampling=Sampling(max_new_tokens=max_new_tokens, temperature=0.0), undo=True,
+                      store=store)
+    filler = iter(case["filler"])
+    if case["where"] == "middle":  # half the chat before the fact
+        while session.total_tokens < after // 2:
+            session.exchange(*next(filler))
+    for user, ack in case["planted"]:
+        session.exchange(user, ack)
+    fact_end = session.total_tokens
+    while session.total_tokens - fact_end < after or session.total_tokens < settings.budget + 64:
+        session.exchange(*next(filler))
+    reply = session.chat(case["ask"])
     session.undo()
     probe = session.probe(case["ask"], case["reference"], case["expect"])
-    return {"generated_hit": case["expect"].lower() in answer.lower(), "answer": answer,
-            "probe_hit": bool(probe.hit), "nll": probe.expect_nll, "history": session.total_tokens - probe.prompt_tokens,
-            "evicted": session.evicted_total}
+    out = {"generated_hit": case["expect"].lower() in reply.answer.lower(), "answer": reply.answer,
+           "probe_hit": bool(probe.hit), "nll": probe.expect_nll, "history": session.total_tokens - probe.prompt_tokens,
+           "evicted": session.evicted_total, "ttft_ms": reply.prefill_ms, "recall_ms": reply.recall_ms,
+           "recalled_tokens": reply.recalled_tokens, "archive_tokens": session.archive.n if session.archive else 0}
+    session.close()
+    if session.conversation_id is not None:
+        store.delete(session.conversation_id)
+    return out
 
 
-def cell(cm, settings: Settings, cases: list[dict], tokens: int, max_new_tokens: int) -> dict:
-    res = [run_case(cm, settings, c, tokens, max_new_tokens) for c in cases]
-    row = {"policy": settings.policy, "budget": settings.budget if POLICIES[settings.policy].bounded else None,
-           "groups": settings.groups, "history_tokens": tokens, "cases": len(res),
-           "generated_hits": sum(r["generated_hit"] for r in res), "probe_hits": sum(r["probe_hit"] for r in res),
-           "mean_nll": statistics.mean(r["nll"] for r in res), "evicted": [r["evicted"] for r in res],
-           "answers": [r["answer"] for r in res]}
-    log(f"recall {settings.policy:10s} budget {row['budget'] or '-':>5} {settings.groups:8s} history {tokens:5d}: "
-        f"generated {row['generated_hits']}/{len(res)}, probe {row['probe_hits']}/{len(res)}, "
-        f"NLL {row['mean_nll']:.3f}")
-    return row
+def cell(cm, settings: Settings, cases: list[dict], after: int, max_new_tokens: int, store: Store) -> list[dict]:
+    rows = []
+    for kind in dict.fromkeys(c["kind"] for c in cases):
+        res = [run_case(cm, settings, c, after, max_new_tokens, store) for c in cases if c["kind"] == kind]
+        ms = [r["recall_ms"] for r in res if r["recall_ms"] is not None]
+        row = {"policy": settings.policy, "budget": settings.budget if POLICIES[settings.policy].bounded else None,
+               "recall": settings.recall, "kind": kind, "after_tokens": after, "cases": len(res),
+               "generated_hits": sum(r["generated_hit"] for r in res), "probe_hits": sum(r["probe_hit"] for r in res),
+               "mean_nll": statistics.mean(r["nll"] for r in res), "evicted": [r["evicted"] for r in res],
+               "ttft_ms": statistics.mean(r["ttft_ms"] for r in res), "recall_ms": statistics.mean(ms) if ms else None,
+               "recalled_tokens": statistics.mean(r["recalled_tokens"] for r in res),
+               "history": statistics.mean(r["history"] for r in res), "answers": [r["answer"] for r in res]}
+        log(f"recall {settings.policy:10s} budget {row['budget'] or '-':>5} recall {settings.recall:3s} {kind:10s}: "
+            f"generated {row['generated_hits']}/{len(res)}, probe {row['probe_hits']}/{len(res)}, "
+            f"NLL {row['mean_nll']:.3f}, TTFT {row['ttft_ms']:.0f} ms")
+        rows.append(row)
+    return rows
+
+
+def replay_nll(cm, settings: Settings, data: Path, turns: int, store: Store) -> dict:
+    """Mean NLL of the assistant's tokens over ``turns`` MT-Bench exchanges teacher-forced on one chat."""
+    session = Session(cm, settings, sampling=Sampling(temperature=0.0), store=store)
+    nlls, weights = [], []
+    for user, answer in [p for p in filler_pairs(data) if len(p[1]) > 200][:turns]:
+        res = session.probe(user, answer, answer)
+        n = len(cm.tokenizer(answer, add_special_tokens=False)["input_ids"])
+        nlls.append(res.expect_nll * n)
+        weights.append(n)
+    session.close()
+    if session.conversation_id is not None:
+        store.delete(session.conversation_id)
+    nll = sum(nlls) / sum(weights)
+    return {"policy": settings.policy, "budget": settings.budget if settings.bounded else None,
+            "recall": settings.recall, "turns": turns, "tokens": sum(weights), "nll": nll, "ppl": math.exp(nll)}
+
+
+def scoring_cost(cm, sizes: list[int], group_tokens: float, seed: int) -> list[dict]:
+    """Recall's scoring (relevance over every digest, then the choice) against archives of ``sizes`` tokens; the
+    digests are random (the cost does not depend on their values), the queries a 20-token message's."""
+    gen = torch.Generator().manual_seed(seed)
+    layers = scoring_layers(cm.num_layers)
+    cfg = cm.model.config
+    heads, qheads = cfg.num_key_value_heads, cfg.num_attention_heads
+    kdim = getattr(cfg, "head_dim", None) or cfg.hidden_size // qheads
+    rows = []
+    for size in sizes:
+        groups = max(1, round(size / group_tokens))
+        digests = torch.randn(groups, len(layers), heads, REPS, kdim, generator=gen).half()
+        queries = {li: torch.randn(qheads, 20, kdim, generator=gen) for li in layers}
+        spans = torch.stack([torch.arange(groups), torch.arange(groups) + 1], 1) * round(group_tokens)
+        held = torch.zeros(int(spans[-1, 1]))
+        content = torch.ones(int(spans[-1, 1]), dtype=torch.bool)
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            rel = relevance(digests, layers, queries, {})
+            choose(rel, spans, held, content, 6, 64, 0.0)
+            times.append(1000 * (time.perf_counter() - t))
+        rows.append({"archive_tokens": size, "groups": groups, "digest_mb": digests.numel() * 2 / 2**20,
+                     "ms": min(times)})
+        log(f"recall scoring at {size:7d} archived tokens ({groups} groups): {min(times):.1f} ms")
+    return rows
 
 
 def run(args, run: Run, cm) -> None:
-    cases = make_cases(data_dir(args.data), args.cases, args.seed)
-    run.rows = {"cells": [], "facts": [c["expect"] for c in cases]}
+    import tempfile
+
+    data = data_dir(args.data)
+    cases = make_cases(data, args.kinds, args.cases, args.seed)
+    run.rows = {"cells": [], "replay": [], "scoring": [], "facts": [c["expect"] for c in cases]}
     cells = run.rows["cells"]
-    for budget in args.budgets:
-        tokens = budget + args.margin
-        ceiling = cell(cm, Settings(policy="full"), cases, tokens, args.max_new_tokens)
-        ceiling["ceiling_for"] = budget
-        cells.append(ceiling)
-        for p in args.policies:
-            cells.append(cell(cm, Settings(policy=p, budget=budget), cases, tokens, args.max_new_tokens))
-    small = min(args.budgets)
-    for mode in args.groups:
-        for p in args.policies:
-            cells.append(cell(cm, Settings(policy=p, budget=small, groups=mode), cases, small + args.margin,
-                              args.max_new_tokens))
+    with tempfile.TemporaryDirectory(prefix="kvchat-bench-recall-") as tmp:
+        store = Store(Path(tmp) / "recall.db")
+        ceiling = cell(cm, Settings(policy="full"), cases, args.after, args.max_new_tokens, store)
+        cells.extend(ceiling)
+        run.rows["replay"].append(replay_nll(cm, Settings(policy="full"), data, args.replay_turns, store))
+        for budget in args.budgets:
+            for p in args.policies:
+                for mode in args.recall:
+                    settings = Settings(policy=p, budget=budget, recall=mode)
+                    cells.extend(cell(cm, settings, cases, args.after, args.max_new_tokens, store))
+                    if p == args.policies[0]:
+                        row = replay_nll(cm, settings, data, args.replay_turns, store)
+                        run.rows["replay"].append(row)
+                        log(f"recall replay NLL {p} budget {budget} recall {mode}: {row['nll']:.4f}")
+    measured = [c for c in cells if c["recall"] == "on" and c["recalled_tokens"]]
+    sample = Session(cm, Settings(policy="full"))  # the filler's mean sentence group, for the scoring's sizes
+    for pair in filler_pairs(data)[:20]:
+        sample.exchange(*pair)
+    group_tokens = sample.total_tokens / len(torch.unique(sample.log.column("sentence")))
+    run.rows["group_tokens"] = group_tokens
+    run.rows["scoring"] = scoring_cost(cm, args.archive_sizes, group_tokens, args.seed)
     bounded = [c for c in cells if c["policy"] != "full"]
     run.check("evicted", all(min(c["evicted"]) > 0 for c in bounded),
               "every bounded case evicted before the question (the fact was at risk)")
-    ceilings = [c for c in cells if c["policy"] == "full"]
-    streaming = [c for c in bounded if c["policy"] == "streaming" and c["groups"] == "token"]
-    if streaming:
-        worst = max(c["mean_nll"] for c in ceilings)
-        best = min(c["mean_nll"] for c in streaming)
-        run.check("full cache recalls better than streaming", worst < best,
-                  f"full cache mean fact NLL {worst:.2f} (worst budget) < streaming {best:.2f} (best budget)")
+    pairs = [(c, o) for c in bounded if c["recall"] == "on" for o in bounded
+             if o["recall"] == "off" and (o["policy"], o["budget"], o["kind"]) == (c["policy"], c["budget"], c["kind"])]
+    if pairs:
+        on = statistics.mean(c["mean_nll"] for c, _ in pairs)
+        off = statistics.mean(o["mean_nll"] for _, o in pairs)
+        run.check("recall brings evicted facts back", on < off,
+                  f"mean fact NLL with recall on {on:.2f} < recall off {off:.2f} (same cases, same policies)")
+    if measured:
+        log(f"recall: {statistics.mean(c['recall_ms'] for c in measured):.0f} ms per question on average")
 
 
 def plot(result: dict, plots, plt) -> list:
-    cells = [c for c in result["results"]["cells"] if c["groups"] == "token"]
-    if not cells:
+    cells = result["results"]["cells"]
+    budget = min((c["budget"] for c in cells if c["budget"]), default=None)
+    if budget is None:
         return []
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    for p in dict.fromkeys(c["policy"] for c in cells):
-        rs = sorted((c for c in cells if c["policy"] == p), key=lambda c: c.get("ceiling_for") or c["budget"])
-        xs = [c.get("ceiling_for") or c["budget"] for c in rs]
-        ax.plot(xs, [c["mean_nll"] for c in rs], marker="o", label="full cache (ceiling)" if p == "full" else p,
-                **({"color": "black", "ls": "--"} if p == "full" else {}))
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("budget (history = budget + margin tokens)")
+    kinds = list(dict.fromkeys(c["kind"] for c in cells))
+    bars = [("full cache", [c for c in cells if c["policy"] == "full"])]
+    for p in dict.fromkeys(c["policy"] for c in cells if c["budget"] == budget):
+        for mode in ("off", "on"):
+            rows = [c for c in cells if (c["policy"], c["budget"], c["recall"]) == (p, budget, mode)]
+            if rows:
+                bars.append((f"{p}, recall {mode}", rows))
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    width = 0.8 / len(bars)
+    for i, (label, rows) in enumerate(bars):
+        by_kind = {c["kind"]: c["mean_nll"] for c in rows}
+        ax.bar([k + i * width for k in range(len(kinds))], [by_kind.get(k, 0) for k in kinds], width, label=label,
+               **({"color": "black"} if label == "full cache" else {}))
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(kinds))], kinds)
     ax.set_ylabel("mean NLL of the fact's tokens (probe)")
-    ax.set_title("Recall across turns (lower is better)")
-    ax.legend(fontsize=8)
+    ax.set_title(f"Recall across turns at budget {budget} (lower is better)")
+    ax.legend(fontsize=7)
     return [save_figure(fig, plots / "recall.png", plt)]
 
 
 def markdown(result: dict) -> str:
     cfg = result["config"]
-    cells = result["results"]["cells"]
+    res = result["results"]
+    cells = res["cells"]
     n = cells[0]["cases"] if cells else 0
-    lines = [f"{n} cases per cell (seed {cfg['seed']}); history = budget + {cfg['margin']} tokens of filler "
-             "exchanges after the fact; cells: generated hits / probe hits / mean NLL of the fact's tokens.", ""]
-    budgets = sorted({c["budget"] for c in cells if c["budget"]})
-    lines += ["| policy | groups | " + " | ".join(f"budget {b}" for b in budgets) + " |",
-              "| --- " * (len(budgets) + 2) + "|"]
+    lines = [f"{n} cases per kind and cell (seed {cfg['seed']}), facts planted at the start or in the middle of the "
+             f"chat with {cfg['after']}+ tokens of chat after them; cells: generated hits / probe hits / mean NLL of "
+             "the fact's tokens.", ""]
+    kinds = list(dict.fromkeys(c["kind"] for c in cells))
 
     def fmt(c):
         return f"{c['generated_hits']}/{c['cases']} · {c['probe_hits']}/{c['cases']} · {c['mean_nll']:.2f}"
 
-    full = {c["ceiling_for"]: c for c in cells if c["policy"] == "full"}
-    lines.append("| full cache (ceiling) | – | " + " | ".join(fmt(full[b]) if b in full else "–" for b in budgets)
-                 + " |")
-    keys = list(dict.fromkeys((c["policy"], c["groups"]) for c in cells if c["policy"] != "full"))
-    for p, g in sorted(keys, key=lambda k: (k[1] != "token", k[1], BOUNDED.index(k[0]) if k[0] in BOUNDED else 99)):
-        row = {c["budget"]: c for c in cells if c["policy"] == p and c["groups"] == g}
-        lines.append(f"| {p} | {g} | " + " | ".join(fmt(row[b]) if b in row else "–" for b in budgets) + " |")
+    lines += ["| policy | budget | recall | " + " | ".join(kinds) + " | TTFT ms | recall ms |",
+              "| --- " * (len(kinds) + 5) + "|"]
+    groups: dict = {}
+    for c in cells:
+        groups.setdefault((c["policy"], c["budget"], c["recall"]), {})[c["kind"]] = c
+    for (p, b, mode), row in groups.items():
+        name = "full cache (ceiling)" if p == "full" else p
+        ttft = statistics.mean(c["ttft_ms"] for c in row.values())
+        rms = [c["recall_ms"] for c in row.values() if c["recall_ms"] is not None]
+        recall_ms = f"{statistics.mean(rms):.0f}" if rms else "–"
+        lines.append(f"| {name} | {b or '–'} | {mode if p != 'full' else '–'} | "
+                     + " | ".join(fmt(row[k]) if k in row else "–" for k in kinds) + f" | {ttft:.0f} | {recall_ms} |")
+    if res.get("replay"):
+        lines += ["", "Assistant answers of MT-Bench replayed (teacher-forced) on one chat, recall off and on:", "",
+                  "| policy | budget | recall | tokens | NLL | PPL |", "| --- | --- | --- | --- | --- | --- |"]
+        for r in res["replay"]:
+            lines.append(f"| {r['policy']} | {r['budget'] or '–'} | {r['recall'] if r['budget'] else '–'} | "
+                         f"{r['tokens']} | {r['nll']:.4f} | {r['ppl']:.3f} |")
+    if res.get("scoring"):
+        lines += ["", f"Recall's scoring (relevance over every digest and the choice) against the archive's size, "
+                      f"sentence groups of {res.get('group_tokens', 0):.1f} tokens:", "",
+                  "| archived tokens | groups | digests MB | ms |", "| --- | --- | --- | --- |"]
+        for r in res["scoring"]:
+            lines.append(f"| {r['archive_tokens']:,} | {r['groups']:,} | {r['digest_mb']:.1f} | {r['ms']:.1f} |")
     return "\n".join(lines)

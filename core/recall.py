@@ -27,6 +27,7 @@ import torch
 REPS = 4  # representative keys per group, layer and KV head
 SCORING_LAYERS = 8  # layers whose queries and keys score relevance
 QUERY_ROWS = 64  # the latest query rows of a user message kept for scoring
+HELD_QUANTILE = 0.9  # a recalled group must outscore this share of the groups the cache holds
 
 
 def scoring_layers(num_layers: int) -> list[int]:
@@ -218,11 +219,17 @@ def choose(relevance: torch.Tensor, spans: torch.Tensor, held: torch.Tensor, con
     scoring at least ``threshold``, holding more than template scaffolding (``content``: per position) and mostly
     evicted now (less than half of its (layer, head, position) slots held)."""
     chosen, used = [], 0
+    mean_held = torch.stack([held[a:b].mean() for a, b in spans.tolist()]) if spans.shape[0] else held[:0]
+    has_content = torch.tensor([bool(content[a:b].any()) for a, b in spans.tolist()], dtype=torch.bool)
+    # Only what the message wants more than most of what the cache already holds comes back.
+    present = relevance[(mean_held >= 0.5) & has_content]
+    if present.numel():
+        threshold = max(threshold, float(torch.quantile(present, HELD_QUANTILE)))
     for g in relevance.argsort(descending=True).tolist():
         if len(chosen) >= groups or relevance[g] < threshold:
             break
         a, b = spans[g].tolist()
-        if held[a:b].mean() >= 0.5 or not content[a:b].any() or used + (b - a) > tokens:
+        if mean_held[g] >= 0.5 or not has_content[g] or used + (b - a) > tokens:
             continue
         chosen.append(g)
         used += b - a
