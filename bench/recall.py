@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.recall import REPS, choose, relevance, scoring_layers
+from ..core.recall import REPS, choose, coarse_index, relevance, scoring_layers
 from ..core.session import Sampling, Session
 from ..core.settings import Settings
 from ..policies import POLICIES
@@ -208,6 +208,7 @@ def scoring_cost(cm, sizes: list[int], group_tokens: float, seed: int) -> list[d
     for size in sizes:
         groups = max(1, round(size / group_tokens))
         digests = torch.randn(groups, len(layers), heads, REPS, kdim, generator=gen).half()
+        coarse = digests[:, coarse_index(layers), :, 0].contiguous()
         queries = {li: torch.randn(qheads, 20, kdim, generator=gen) for li in layers}
         spans = torch.stack([torch.arange(groups), torch.arange(groups) + 1], 1) * round(group_tokens)
         held = torch.zeros(int(spans[-1, 1]))
@@ -215,7 +216,7 @@ def scoring_cost(cm, sizes: list[int], group_tokens: float, seed: int) -> list[d
         times = []
         for _ in range(3):
             t = time.perf_counter()
-            rel = relevance(digests, layers, queries, {})
+            rel = relevance(digests.numpy(), coarse, layers, queries, {})
             choose(rel, spans, held, content, 6, 64, 0.0)
             times.append(1000 * (time.perf_counter() - t))
         rows.append({"archive_tokens": size, "groups": groups, "digest_mb": digests.numel() * 2 / 2**20,

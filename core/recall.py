@@ -27,6 +27,7 @@ import torch
 REPS = 4  # representative keys per group, layer and KV head
 SCORING_LAYERS = 8  # layers whose queries and keys score relevance
 QUERY_ROWS = 64  # the latest query rows of a user message kept for scoring
+CANDIDATES = 512  # past this many groups, a coarse pass (one key per group, a few layers) picks the ones scored
 HELD_QUANTILE = 0.9  # a recalled group must outscore this share of the groups the cache holds
 
 
@@ -37,9 +38,17 @@ def scoring_layers(num_layers: int) -> list[int]:
     return sorted({round(x) for x in np.linspace(lo, hi, min(SCORING_LAYERS, hi - lo + 1))})
 
 
+def coarse_index(layers: list[int]) -> list[int]:
+    """Which scoring layers the coarse pass reads: three spread over them."""
+    return sorted({round(x) for x in np.linspace(0, len(layers) - 1, min(3, len(layers)))})
+
+
 class Digests:
-    """Append-only digests of sentence groups: ``digest.bin`` ([layers, heads, REPS, key dim] float16 per group)
-    and ``groups.bin`` (int32 start and end position per group)."""
+    """Append-only digests of sentence groups: ``digest.bin`` ([layers, heads, REPS, key dim] float16 per group),
+    ``coarse.bin`` (the largest-norm key of a few of those layers, [3, heads, key dim] float16 per group) and
+    ``groups.bin`` (int32 start and end position per group)."""
+
+    FILES = ("digest.bin", "coarse.bin", "groups.bin")
 
     def __init__(self, folder: Path, num_layers: int):
         self.folder = Path(folder)
@@ -51,15 +60,23 @@ class Digests:
         if (self.folder / "digest.txt").is_file():
             heads, kdim, *layers = map(int, (self.folder / "digest.txt").read_text().split())
             self.layout, self.layers = (heads, kdim), layers
-            self.count = min(_size(self.folder / "groups.bin") // 8, _size(self.folder / "digest.bin") // self._record)
+            self.count = min(_size(self.folder / name) // size for name, size in zip(self.FILES, self._records))
+            self._cut(self.count)  # a crash may have left one file a record ahead of the others
             if self.count:
                 self.covered = int(np.fromfile(self.folder / "groups.bin", dtype=np.int32,
                                                count=2 * self.count)[-1])
 
     @property
-    def _record(self) -> int:
+    def _records(self) -> tuple[int, int, int]:
+        """Bytes per group in each of ``FILES``."""
         heads, kdim = self.layout
-        return len(self.layers) * heads * REPS * kdim * 2
+        return (len(self.layers) * heads * REPS * kdim * 2, len(coarse_index(self.layers)) * heads * kdim * 2, 8)
+
+    def _cut(self, count: int) -> None:
+        for name, size in zip(self.FILES, self._records):
+            if _size(self.folder / name) > count * size:
+                with open(self.folder / name, "r+b") as f:
+                    f.truncate(count * size)
 
     def add(self, archive, sentence: torch.Tensor, n: int, rotary) -> int:
         """Digest the groups of positions ``covered .. n`` (whole groups: ``n`` ends one); returns how many."""
@@ -91,28 +108,32 @@ class Digests:
             out[g] = torch.gather(keys, 2, top[..., None].expand(-1, -1, -1, kdim))
         files = self._open()
         files[0].write(out.half().numpy().tobytes())
-        files[1].write(torch.stack([starts, ends], 1).to(torch.int32).numpy().tobytes())
+        files[1].write(out[:, coarse_index(self.layers), :, 0].half().contiguous().numpy().tobytes())
+        files[2].write(torch.stack([starts, ends], 1).to(torch.int32).numpy().tobytes())
         self.count += len(counts)
         self.covered = n
         return len(counts)
 
     def _open(self):
         if self._files is None:
-            self._files = (open(self.folder / "digest.bin", "ab"), open(self.folder / "groups.bin", "ab"))
+            self._files = tuple(open(self.folder / name, "ab") for name in self.FILES)
         return self._files
 
-    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Group spans [groups, 2] (start, end) and digests [groups, layers, heads, REPS, kdim] (float16)."""
+    def read(self) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
+        """Group spans [groups, 2] (start, end), digests [groups, layers, heads, REPS, kdim] (float16, a read-only
+        memory map: only the rows scored are read) and the coarse ones [groups, 3, heads, kdim] (float16)."""
         if not self.count:
-            return torch.zeros(0, 2, dtype=torch.long), torch.zeros(0)
+            return torch.zeros(0, 2, dtype=torch.long), np.zeros((0,), np.float16), torch.zeros(0)
         if self._files is not None:
             for f in self._files:
                 f.flush()
         heads, kdim = self.layout
         spans = np.fromfile(self.folder / "groups.bin", dtype=np.int32, count=2 * self.count).reshape(-1, 2)
-        digests = np.memmap(self.folder / "digest.bin", dtype=np.float16, mode="c",
+        digests = np.memmap(self.folder / "digest.bin", dtype=np.float16, mode="r",
                             shape=(self.count, len(self.layers), heads, REPS, kdim))
-        return torch.from_numpy(spans).long(), torch.from_numpy(np.asarray(digests))
+        coarse = np.fromfile(self.folder / "coarse.bin", dtype=np.float16, count=self.count * self._records[1] // 2)
+        return (torch.from_numpy(spans).long(), digests,
+                torch.from_numpy(coarse.reshape(self.count, len(coarse_index(self.layers)), heads, kdim)))
 
     def sync(self) -> None:
         if self._files is not None:
@@ -127,10 +148,7 @@ class Digests:
         self.close()
         spans = np.fromfile(self.folder / "groups.bin", dtype=np.int32, count=2 * self.count).reshape(-1, 2)
         keep = int(np.searchsorted(spans[:, 1], n, side="right"))
-        for name, size in (("digest.bin", keep * self._record), ("groups.bin", keep * 8)):
-            if _size(self.folder / name) > size:
-                with open(self.folder / name, "r+b") as f:
-                    f.truncate(size)
+        self._cut(keep)
         self.count = keep
         self.covered = int(spans[keep - 1, 1]) if keep else 0
 
@@ -142,12 +160,12 @@ class Digests:
 
     def delete(self) -> None:
         self.close()
-        for name in ("digest.bin", "groups.bin", "digest.txt"):
+        for name in (*self.FILES, "digest.txt"):
             (self.folder / name).unlink(missing_ok=True)
 
     @property
     def nbytes(self) -> int:
-        return self.count * (self._record + 8) if self.layout is not None else 0
+        return self.count * sum(self._records) if self.layout is not None else 0
 
 
 class QueryTap:
@@ -180,10 +198,26 @@ class QueryTap:
         return {li: rotary.rotate(q, -self.qpos[li].long()[None].to(q.device)) for li, q in self.queries.items()}
 
 
-def relevance(digests: torch.Tensor, layers: list[int], queries: dict[int, torch.Tensor],
+def relevance(digests: np.ndarray, coarse: torch.Tensor, layers: list[int], queries: dict[int, torch.Tensor],
               scaling: dict[int, float]) -> torch.Tensor:
-    """[groups] the mean over scoring layers of the largest attention share (softmax over groups of the best
-    representative key) any query row and query head gives each group."""
+    """[groups] how much the queries want each group (``score``). Past ``CANDIDATES`` groups, a coarse pass over
+    one key per group in three layers picks the candidates whose digests are read and scored in full; the others
+    get 0."""
+    groups = digests.shape[0]
+    if groups <= CANDIDATES:
+        return score(torch.from_numpy(np.array(digests)), layers, queries, scaling)
+    first = score(coarse[:, :, :, None], [layers[i] for i in coarse_index(layers)], queries, scaling)
+    picked = first.topk(CANDIDATES).indices.sort().values
+    out = torch.zeros(groups)
+    out[picked] = score(torch.from_numpy(digests[picked.numpy()]), layers, queries, scaling)
+    return out
+
+
+def score(digests: torch.Tensor, layers: list[int], queries: dict[int, torch.Tensor],
+          scaling: dict[int, float]) -> torch.Tensor:
+    """[groups] the mean over ``layers`` of the largest attention share (softmax over groups of the best
+    representative key) any query row and query head gives each group (digests: [groups, layers, heads, reps,
+    dim])."""
     groups, _, heads, reps, kdim = digests.shape
     total = torch.zeros(groups)
     used = 0
@@ -219,20 +253,23 @@ def choose(relevance: torch.Tensor, spans: torch.Tensor, held: torch.Tensor, con
     scoring at least ``threshold``, holding more than template scaffolding (``content``: per position) and mostly
     evicted now (less than half of its (layer, head, position) slots held)."""
     chosen, used = [], 0
-    mean_held = torch.stack([held[a:b].mean() for a, b in spans.tolist()]) if spans.shape[0] else held[:0]
-    has_content = torch.tensor([bool(content[a:b].any()) for a, b in spans.tolist()], dtype=torch.bool)
+    a, b = spans[:, 0], spans[:, 1]
+    held_sum = torch.cat([torch.zeros(1, dtype=torch.float64), held.double().cumsum(0)])
+    mean_held = ((held_sum[b] - held_sum[a]) / (b - a)).float()
+    content_sum = torch.cat([torch.zeros(1, dtype=torch.long), content.long().cumsum(0)])
+    has_content = content_sum[b] > content_sum[a]
     # Only what the message wants more than most of what the cache already holds comes back.
-    present = relevance[(mean_held >= 0.5) & has_content]
+    present = relevance[(mean_held >= 0.5) & has_content & (relevance > 0)]
     if present.numel():
         threshold = max(threshold, float(torch.quantile(present, HELD_QUANTILE)))
     for g in relevance.argsort(descending=True).tolist():
         if len(chosen) >= groups or relevance[g] < threshold:
             break
-        a, b = spans[g].tolist()
-        if mean_held[g] >= 0.5 or not has_content[g] or used + (b - a) > tokens:
+        start, end = spans[g].tolist()
+        if mean_held[g] >= 0.5 or not has_content[g] or used + (end - start) > tokens:
             continue
         chosen.append(g)
-        used += b - a
+        used += end - start
     return sorted(chosen)
 
 
@@ -243,10 +280,10 @@ def recall(session, tap: QueryTap) -> dict:
 
     t0 = time.perf_counter()
     s, archive = session.settings, session.archive
-    spans, digests = archive.digests.read()
+    spans, digests, coarse = archive.digests.read()
     out = {"recalled_tokens": 0, "recalled_groups": 0, "recall_ms": 0.0, "recalled": []}
     if spans.shape[0] and tap.queries:
-        rel = relevance(digests, archive.digests.layers, tap.unrotated(session.model.rotary), tap.scaling)
+        rel = relevance(digests, coarse, archive.digests.layers, tap.unrotated(session.model.rotary), tap.scaling)
         if session.model.scaffolding is None:
             session.model.scaffolding = scaffolding(session.model)
         content = ~torch.isin(session.log.column("token").long(), session.model.scaffolding)

@@ -55,9 +55,10 @@ def test_every_turn_reopens_with_the_exact_cache(tiny, tmp_path, policy, positio
     assert reopened.chat("One last question?").answer == live.chat("One last question?").answer
 
 
-def test_a_crash_mid_turn_reopens_the_last_committed_turn(tiny, tmp_path):
+@pytest.mark.parametrize("recall", ["off", "on"])
+def test_a_crash_mid_turn_reopens_the_last_committed_turn(tiny, tmp_path, recall):
     model = tiny("qwen2")
-    settings = Settings(policy="h2o", budget=40, window=8, slack=6)
+    settings = Settings(policy="h2o", budget=40, window=8, slack=6, recall=recall, recall_tokens=24)
     live = Session(model, settings, store=Store(tmp_path / "kv.db"), sampling=GREEDY)
     for user, reply in TURNS[:3]:
         live.exchange(user, reply)
@@ -66,14 +67,22 @@ def test_a_crash_mid_turn_reopens_the_last_committed_turn(tiny, tmp_path):
     gen = live.reply("This turn will never finish because the process dies now")
     next(gen)
     assert live.archive.n > twin.total_tokens
+    digests = live.archive.digests
+    if recall == "on":  # the crash comes after the closing turn's digests were written, before its commit
+        digests.add(live.archive, live.log.column("sentence"), live.log.n, model.rotary)
+        assert digests.covered > twin.total_tokens
     live.archive.sync()
-    for name, junk in (("kv.bin", b"\x01" * 7), ("pos.bin", b"\x02" * 3)):  # writes the crash cut short
+    for name, junk in (("kv.bin", b"\x01" * 7), ("pos.bin", b"\x02" * 3), ("digest.bin", b"\x03" * 5),
+                       ("coarse.bin", b"\x04" * 9)):  # writes the crash cut short
         with open(live.archive.folder / name, "ab") as f:
             f.write(junk)
     reopened = Session.resume(model, Store(tmp_path / "kv.db"), live.conversation_id, sampling=GREEDY)
     assert reopened.restored_from == "archive" and reopened.archive.n == reopened.total_tokens
+    assert reopened.archive.digests.covered == reopened.total_tokens
     assert_same_cache(reopened, twin)
-    assert reopened.chat("Still there?").answer == twin.chat("Still there?").answer
+    a, b = reopened.chat("Still there?"), twin.chat("Still there?")
+    assert a.answer == b.answer and a.recalled == b.recalled
+    assert bool(a.recalled) == (recall == "on")
 
 
 def test_undo_then_reopen_is_exact(tiny, tmp_path):

@@ -174,3 +174,25 @@ def test_an_evicted_fact_comes_back_for_a_question_in_other_words(smol, tmp_path
         assert (fact in text) == (recall == "on")
     assert results["on"].hit and not results["off"].hit
     assert results["on"].expect_nll < results["off"].expect_nll - 1.0
+
+
+@pytest.mark.parametrize("candidates", [10_000, 64])
+def test_relevance_finds_the_group_the_queries_point_at(monkeypatch, candidates):
+    """Scored in full, or through the coarse pass that picks candidates past ``CANDIDATES`` groups, the group whose
+    keys the queries point at ranks first; groups the coarse pass leaves out score 0."""
+    from kvchat.core import recall
+
+    monkeypatch.setattr(recall, "CANDIDATES", candidates)
+    gen = torch.Generator().manual_seed(0)
+    layers, groups, heads, dim = [2, 4, 6, 8], 2000, 2, 16
+    digests = torch.randn(groups, len(layers), heads, recall.REPS, dim, generator=gen)
+    queries = {li: torch.randn(2 * heads, 5, dim, generator=gen) for li in layers}
+    target = 1234
+    for si, li in enumerate(layers):  # the target's largest key points where the queries of its KV head point
+        direction = queries[li].view(heads, -1, dim).mean(1)
+        digests[target, si, :, 0] = 4 * direction / direction.norm(dim=-1, keepdim=True) * dim ** 0.5
+    digests = digests.half()
+    coarse = digests[:, recall.coarse_index(layers), :, 0].contiguous()
+    rel = recall.relevance(digests.numpy(), coarse, layers, queries, {})
+    assert rel.argmax() == target
+    assert (rel == 0).sum() == (groups - candidates if candidates < groups else 0)
