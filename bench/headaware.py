@@ -13,9 +13,12 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
 from collections import Counter
+from pathlib import Path
 
 from ..core.settings import Settings
+from ..storage.db import Store
 from . import ppl as ppl_bench
 from . import recall as recall_bench
 from .common import Run, data_dir, log, read_text, save_figure
@@ -65,13 +68,14 @@ def inspect(session) -> dict:
 def run(args, run: Run, cm) -> None:
     data = data_dir(args.data)
     ids = cm.tokenizer(read_text(data, "pg19"), add_special_tokens=False)["input_ids"][: args.tokens]
-    cases = recall_bench.make_cases(data, args.cases, 0)
+    cases = recall_bench.make_cases(data, ["direct"], args.cases, 0)
     run.rows = {"variants": []}
+    store = Store(Path(tempfile.mkdtemp(prefix="kvchat-bench-headaware-")) / "recall.db")
     for label, (params, groups) in variants(args.tau_local).items():
         settings = Settings(policy="headaware", budget=args.budget, params=params, groups=groups)
         row = ppl_bench.stream(cm, ids, settings, args.chunk, inspect=inspect)
         rec = recall_bench.cell(cm, Settings(policy="headaware", budget=args.recall_budget, params=params,
-                                             groups=groups), cases, args.recall_budget + 256, 16)
+                                             groups=groups), cases, 256, 16, store)[0]
         counts = Counter(c for layer in row["classes"] for c in layer)
         run.rows["variants"].append({"label": label, "params": params, "groups": groups, "ppl": row["ppl"],
                                      "recall": rec, "class_counts": dict(counts), **{k: row[k] for k in (

@@ -4,6 +4,7 @@ Mixed into ``Session``."""
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -23,7 +24,8 @@ class Feeding:
     def recalling(self) -> bool:
         """Whether a user message followed by an answer recalls evicted text (recall on, a bounded policy, and the
         conversation's archive to recall from)."""
-        return self.settings.recall == "on" and self.policy.bounded and self.archive is not None
+        return (self.settings.recall == "on" and self.policy.bounded and self.archive is not None
+                and self.archive.digests.count > 0)
 
     def _prefill(self, res: TurnResult, segments, want_logprobs: bool = False):
         """Feed a turn's segments. When the first is a user message and something answers it, recall runs between
@@ -31,10 +33,16 @@ class Feeding:
         t0 = time.perf_counter()
         first_role = self.messages[segments[0][1]]["role"]
         if len(segments) > 1 and first_role == "user" and self.recalling:
+            # The message is read once for its queries, and everything it changed is put back; what it needs is
+            # recalled; then it is fed for good, so its own KV is computed with the recalled text before it, as it
+            # was when the fact was still cached.
             tap = QueryTap(self.archive.digests.layers)
-            head = self._feed(segments[:1], want_logprobs=want_logprobs, tap=tap)
+            saved = self._before_feed()
+            self._feed(segments[:1], tap=tap)
+            self._after_dry_run(saved)
             for key, value in recall(self, tap).items():
                 setattr(res, key, value)
+            head = self._feed(segments[:1], want_logprobs=want_logprobs)
             out = self._feed(segments[1:], want_logprobs=want_logprobs)
             if want_logprobs:  # one sequence of scores, as if fed at once: the boundary token scored by head's logits
                 nxt = segments[1][0][0]
@@ -46,6 +54,25 @@ class Feeding:
         res.prefill_ms = 1000 * (time.perf_counter() - t0)
         res.prompt_tokens = sum(len(ids) for ids, _ in segments)
         return out
+
+    def _before_feed(self) -> dict:
+        """What feeding changes, copied: the cache's slots, the observer's queries, the policy's state, the token
+        log's length and the eviction record."""
+        return {"cache": {k: t.clone() for k, t in self.cache.state_tensors().items()},
+                "observer": {k: t.clone() for k, t in self.observer.state_tensors().items()} if self.observer else {},
+                "policy": copy.deepcopy(self.policy.get_state()), "log": (self.log.n, self.log.sentence),
+                "evictions": copy.deepcopy(self.evictions), "last_logits": self.last_logits}
+
+    def _after_dry_run(self, saved: dict) -> None:
+        """Put back what ``_before_feed`` copied; the archive forgets the tokens fed since."""
+        self.cache.load_state_tensors(saved["cache"], self.model.device, self.model.dtype)
+        if self.observer is not None:
+            self.observer.reset()
+            self.observer.load_state_tensors(saved["observer"], self.model.device)
+        self.policy.set_state(saved["policy"])
+        self.log.truncate(*saved["log"])
+        self.archive.truncate(saved["log"][0])
+        self.evictions, self.last_logits = saved["evictions"], saved["last_logits"]
 
     def _feed(self, segments: list[tuple[list[int], int]], want_logprobs: bool = False,
               continue_message: bool = False, tap: QueryTap | None = None):
@@ -59,7 +86,8 @@ class Feeding:
                                              [(ids, m, self.messages[m]["role"]) for ids, m in segments],
                                              self.turn, continue_message)
         ids = torch.tensor([i for seg, _ in segments for i in seg], dtype=torch.long)
-        special = torch.tensor(sorted(self.model.tokenizer.all_special_ids), dtype=torch.long)
+        if tap is not None:
+            special = torch.tensor(sorted(self.model.tokenizer.all_special_ids), dtype=torch.long)
         total = ids.numel()
         logprobs, top1, i, logits = [], [], 0, None
         while i < total:

@@ -260,17 +260,25 @@ def choose(relevance: torch.Tensor, spans: torch.Tensor, held: torch.Tensor, con
     has_content = content_sum[b] > content_sum[a]
     # Only what the message wants more than most of what the cache already holds comes back.
     present = relevance[(mean_held >= 0.5) & has_content & (relevance > 0)]
-    if present.numel():
+    if present.numel() and HELD_QUANTILE > 0:
         threshold = max(threshold, float(torch.quantile(present, HELD_QUANTILE)))
+    picked = set()
     for g in relevance.argsort(descending=True).tolist():
         if len(chosen) >= groups or relevance[g] < threshold:
             break
-        start, end = spans[g].tolist()
-        if mean_held[g] >= 0.5 or not has_content[g] or used + (end - start) > tokens:
+        if g in picked or mean_held[g] >= 0.5 or not has_content[g]:
+            continue
+        # the template scaffolding right around it (the message's header, its end marker) comes with it, so the
+        # model reads it as the message it was
+        unit = [n for n in (g - 1, g, g + 1) if n == g or (0 <= n < len(spans) and not has_content[n]
+                                                             and mean_held[n] < 0.5 and n not in picked)]
+        cost = sum(int(spans[n, 1] - spans[n, 0]) for n in unit)
+        if used + cost > tokens:
             continue
         chosen.append(g)
-        used += end - start
-    return sorted(chosen)
+        picked.update(unit)
+        used += cost
+    return sorted(picked)
 
 
 def recall(session, tap: QueryTap) -> dict:
