@@ -250,7 +250,7 @@ def run(args, run: Run, cm) -> None:
     sample = Session(cm, Settings(policy="full"))  # the filler's mean sentence group, for the scoring's sizes
     for pair in filler_pairs(data)[:20]:
         sample.exchange(*pair)
-    group_tokens = sample.total_tokens / len(torch.unique(sample.log.column("sentence")))
+    group_tokens = sample.total_tokens / sample.group_count()
     run.rows["group_tokens"] = group_tokens
     run.rows["scoring"] = scoring_cost(cm, args.archive_sizes, group_tokens, args.seed)
     bounded = [c for c in cells if c["policy"] != "full"]

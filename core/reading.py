@@ -60,6 +60,11 @@ class SessionReads:
         return counts / max(heads, 1)
 
     @locked
+    def group_count(self) -> int:
+        """Sentence groups fed so far (the unit recall brings back)."""
+        return int(torch.unique(self.log.column("sentence")).numel())
+
+    @locked
     def layer_lengths(self) -> list[float]:
         """Positions held per layer now (the mean over its KV heads)."""
         return [sum(layer.lens) / layer.heads if layer.is_initialized else 0.0 for layer in self.cache.layers]
