@@ -11,7 +11,8 @@ import torch
 
 from . import compress
 from .observe import Observer
-from .recall import QueryTap, recall
+from . import recall
+from .recall import QueryTap
 from .tokens import encode
 from .turns import TurnResult
 
@@ -33,16 +34,21 @@ class Feeding:
         t0 = time.perf_counter()
         first_role = self.messages[segments[0][1]]["role"]
         if len(segments) > 1 and first_role == "user" and self.recalling:
-            # The message is read once for its queries, and everything it changed is put back; what it needs is
-            # recalled; then it is fed for good, so its own KV is computed with the recalled text before it, as it
-            # was when the fact was still cached.
+            # The message's queries choose what comes back. When something does, everything the first read of
+            # the message changed is put back and it is fed again after the recall, so its own KV is computed with
+            # the recalled text before it, as it was when that text was still cached.
             tap = QueryTap(self.archive.digests.layers)
             saved = self._before_feed()
-            self._feed(segments[:1], tap=tap)
-            self._after_dry_run(saved)
-            for key, value in recall(self, tap).items():
-                setattr(res, key, value)
-            head = self._feed(segments[:1], want_logprobs=want_logprobs)
+            head = self._feed(segments[:1], want_logprobs=want_logprobs, tap=tap)
+            found = recall.plan(self, tap)
+            if found["recalled"]:
+                t = time.perf_counter()
+                self._undo_feed(saved)
+                recall.bring_back(self, found["bring"])
+                found["recall_ms"] += 1000 * (time.perf_counter() - t)
+                head = self._feed(segments[:1], want_logprobs=want_logprobs)
+            for key in ("recalled_tokens", "recalled_groups", "recalled", "recall_ms"):
+                setattr(res, key, found[key])
             out = self._feed(segments[1:], want_logprobs=want_logprobs)
             if want_logprobs:  # one sequence of scores, as if fed at once: the boundary token scored by head's logits
                 nxt = segments[1][0][0]
@@ -63,8 +69,8 @@ class Feeding:
                 "policy": copy.deepcopy(self.policy.get_state()), "log": (self.log.n, self.log.sentence),
                 "evictions": copy.deepcopy(self.evictions), "last_logits": self.last_logits}
 
-    def _after_dry_run(self, saved: dict) -> None:
-        """Put back what ``_before_feed`` copied; the archive forgets the tokens fed since."""
+    def _undo_feed(self, saved: dict) -> None:
+        """Put back what ``_before_feed`` copied: the tokens fed since are forgotten (the archive's too)."""
         self.cache.load_state_tensors(saved["cache"], self.model.device, self.model.dtype)
         if self.observer is not None:
             self.observer.reset()

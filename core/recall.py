@@ -248,10 +248,11 @@ def scaffolding(model) -> torch.Tensor:
 
 
 def choose(relevance: torch.Tensor, spans: torch.Tensor, held: torch.Tensor, content: torch.Tensor, groups: int,
-           tokens: int, threshold: float) -> list[int]:
-    """The groups to bring back: best first, at most ``groups`` of them and ``tokens`` positions in all, each
+           tokens: int, threshold: float) -> list[list[int]]:
+    """The groups to bring back, best first: at most ``groups`` of them and ``tokens`` positions in all, each
     scoring at least ``threshold``, holding more than template scaffolding (``content``: per position) and mostly
-    evicted now (less than half of its (layer, head, position) slots held)."""
+    evicted now (less than half of its (layer, head, position) slots held). Each comes as a unit with the evicted
+    scaffolding groups right around it (consecutive group indices), the units in conversation order."""
     chosen, used = [], 0
     a, b = spans[:, 0], spans[:, 1]
     held_sum = torch.cat([torch.zeros(1, dtype=torch.float64), held.double().cumsum(0)])
@@ -275,36 +276,43 @@ def choose(relevance: torch.Tensor, spans: torch.Tensor, held: torch.Tensor, con
         cost = sum(int(spans[n, 1] - spans[n, 0]) for n in unit)
         if used + cost > tokens:
             continue
-        chosen.append(g)
+        chosen.append(unit)
         picked.update(unit)
         used += cost
-    return sorted(picked)
+    return sorted(chosen)
 
 
-def recall(session, tap: QueryTap) -> dict:
-    """Score the archived groups against the queries ``tap`` kept and bring the best back into the cache;
-    returns what came back ({"recalled_tokens", "recalled_groups", "recall_ms", "recalled": [[start, end]]})."""
-    from . import compress
-
+def plan(session, tap: QueryTap) -> dict:
+    """Score the archived groups against the queries ``tap`` kept and choose what comes back: {"recalled_tokens",
+    "recalled_groups", "recalled": [[start, end]] (a chosen group with the scaffolding around it), "bring": the
+    positions, "recall_ms"}."""
     t0 = time.perf_counter()
     s, archive = session.settings, session.archive
     spans, digests, coarse = archive.digests.read()
-    out = {"recalled_tokens": 0, "recalled_groups": 0, "recall_ms": 0.0, "recalled": []}
+    out = {"recalled_tokens": 0, "recalled_groups": 0, "recalled": [], "bring": torch.zeros(0, dtype=torch.long)}
     if spans.shape[0] and tap.queries:
         rel = relevance(digests, coarse, archive.digests.layers, tap.unrotated(session.model.rotary), tap.scaling)
         if session.model.scaffolding is None:
             session.model.scaffolding = scaffolding(session.model)
         content = ~torch.isin(session.log.column("token").long(), session.model.scaffolding)
-        picked = choose(rel, spans, session.held_fraction(), content, s.recall_groups, s.recall_limit,
-                        s.recall_threshold)
-        if picked:
-            bring = torch.cat([torch.arange(*spans[g].tolist()) for g in picked])
-            compress.compress(session, s.budget, "recall", bring=bring)
-            session.recall_guard = torch.cat([session.recall_guard, bring])
-            out.update(recalled_tokens=int(bring.numel()), recalled_groups=len(picked),
-                       recalled=[spans[g].tolist() for g in picked])
+        units = choose(rel, spans, session.held_fraction(), content, s.recall_groups, s.recall_limit,
+                       s.recall_threshold)
+        if units:
+            found = [[int(spans[u[0], 0]), int(spans[u[-1], 1])] for u in units]
+            out.update(recalled=found, recalled_groups=len(units),
+                       bring=torch.cat([torch.arange(a, b) for a, b in found]))
+            out["recalled_tokens"] = int(out["bring"].numel())
     out["recall_ms"] = 1000 * (time.perf_counter() - t0)
     return out
+
+
+def bring_back(session, bring: torch.Tensor) -> None:
+    """Put the positions ``bring`` back into every layer and head, within the budget, and keep them there until the
+    turn closes."""
+    from . import compress
+
+    compress.compress(session, session.settings.budget, "recall", bring=bring)
+    session.recall_guard = torch.cat([session.recall_guard, bring])
 
 
 def _size(path: Path) -> int:

@@ -171,7 +171,7 @@ def test_an_evicted_fact_comes_back_for_a_question_in_other_words(smol, tmp_path
         results[recall] = session.probe("Where did I leave the car?", "You left it on level 4, spot K12.", "4")
         text = [smol.tokenizer.decode(session.log.column("token")[a:b].tolist()) for a, b in
                 results[recall].recalled]
-        assert (fact in text) == (recall == "on")
+        assert any(fact in t for t in text) == (recall == "on")
     assert results["on"].hit and not results["off"].hit
     assert results["on"].expect_nll < results["off"].expect_nll - 1.0
 
