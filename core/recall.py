@@ -29,6 +29,7 @@ SCORING_LAYERS = 8  # layers whose queries and keys score relevance
 QUERY_ROWS = 64  # the latest query rows of a user message kept for scoring
 CANDIDATES = 512  # past this many groups, a coarse pass (one key per group, a few layers) picks the ones scored
 HELD_QUANTILE = 0.9  # a recalled group must outscore this share of the groups the cache holds
+BLOCK = 8192  # positions digested at a time
 
 
 def scoring_layers(num_layers: int) -> list[int]:
@@ -79,9 +80,18 @@ class Digests:
                     f.truncate(count * size)
 
     def add(self, archive, sentence: torch.Tensor, n: int, rotary) -> int:
-        """Digest the groups of positions ``covered .. n`` (whole groups: ``n`` ends one); returns how many."""
+        """Digest the groups of positions ``covered .. n`` (whole groups: ``n`` ends one); returns how many. A long
+        stretch (a conversation from before digests, reopened) goes a block of whole groups at a time."""
         if n <= self.covered or archive.layout is None:
             return 0
+        done = 0
+        while n - self.covered > BLOCK:
+            ids = sentence[self.covered: self.covered + BLOCK + 1]
+            cut = int((ids[1:] != ids[:-1]).nonzero().max()) + 1 if (ids[1:] != ids[:-1]).any() else BLOCK
+            done += self._add(archive, sentence, self.covered + cut, rotary)
+        return done + self._add(archive, sentence, n, rotary)
+
+    def _add(self, archive, sentence: torch.Tensor, n: int, rotary) -> int:
         heads, kdim = archive.layout[0], archive.layout[1]
         if self.layout is None:
             from .archive import fsync_dir

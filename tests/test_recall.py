@@ -196,3 +196,17 @@ def test_relevance_finds_the_group_the_queries_point_at(monkeypatch, candidates)
     rel = recall.relevance(digests.numpy(), coarse, layers, queries, {})
     assert rel.argmax() == target
     assert (rel == 0).sum() == (groups - candidates if candidates < groups else 0)
+
+
+def test_digests_written_a_block_at_a_time_equal_those_written_at_once(tiny, tmp_path, monkeypatch):
+    """A long stretch (a conversation reopened from before digests) is digested a block of whole groups at a time;
+    the digests are the same."""
+    files = {}
+    for block in (100_000, 20):  # 20: longer than any group here, shorter than a turn
+        monkeypatch.setattr("kvchat.core.recall.BLOCK", block)
+        session = Session(tiny("llama"), _settings(recall="off"), store=Store(tmp_path / f"{block}.db"),
+                          sampling=GREEDY)
+        _chat(session, rounds=1)
+        folder = session.archive.folder
+        files[block] = [(folder / name).read_bytes() for name in ("digest.bin", "coarse.bin", "groups.bin")]
+    assert files[20] == files[100_000] and len(files[20][2]) > 8 * 4
