@@ -349,7 +349,8 @@ def _human_summary(s: dict) -> str:
     nll = f", mean expect NLL {s['mean_expect_nll']:.3f}" if s["mean_expect_nll"] is not None else ""
     return (f"{head}{s['policy']} {s['turns']} turns, {s['total_tokens']} tokens, max cache {s['max_cache_tokens']} "
             f"tokens / {s['max_cache_bytes'] / 2**20:.1f} MiB, evicted {s['evicted_tokens']}, "
-            f"hits {s['hits']}/{s['expected']}{nll}, recalled {s['recalled_tokens']}, {s['wall_s']:.1f} s, peak RSS {s['peak_rss_mb']:.0f} MB")
+            f"hits {s['hits']}/{s['expected']}{nll}, recalled {s['recalled_tokens']}, {s['wall_s']:.1f} s, "
+            f"peak RSS {s['peak_rss_mb']:.0f} MB")
 
 
 def _chat_help() -> str:
