@@ -4,14 +4,13 @@ Mixed into ``Session``."""
 
 from __future__ import annotations
 
-import copy
 import time
 
 import torch
 
-from . import compress
+from . import compress, recall
+from .checkpoint import Checkpoint
 from .observe import Observer
-from . import recall
 from .recall import QueryTap
 from .tokens import encode
 from .turns import TurnResult
@@ -34,16 +33,17 @@ class Feeding:
         t0 = time.perf_counter()
         first_role = self.messages[segments[0][1]]["role"]
         if len(segments) > 1 and first_role == "user" and self.recalling:
-            # The message's queries choose what comes back. When something does, everything the first read of
-            # the message changed is put back and it is fed again after the recall, so its own KV is computed with
-            # the recalled text before it, as it was when that text was still cached.
+            # The message's queries choose what comes back. When something does, the session goes back to before
+            # the message was read (the undo checkpoint) and it is fed again after the recall, so its own KV is
+            # computed with the recalled text before it, as it was when that text was still cached.
             tap = QueryTap(self.archive.digests.layers)
-            saved = self._before_feed()
+            before = Checkpoint.capture(self)
             head = self._feed(segments[:1], want_logprobs=want_logprobs, tap=tap)
             found = recall.plan(self, tap)
             if found["recalled"]:
                 t = time.perf_counter()
-                self._undo_feed(saved)
+                before.restore(self)  # the first read is forgotten, the archive's copy of it too
+                self.archive.truncate(self.log.n)
                 recall.bring_back(self, found["bring"])
                 found["recall_ms"] += 1000 * (time.perf_counter() - t)
                 head = self._feed(segments[:1], want_logprobs=want_logprobs)
@@ -60,25 +60,6 @@ class Feeding:
         res.prefill_ms = 1000 * (time.perf_counter() - t0)
         res.prompt_tokens = sum(len(ids) for ids, _ in segments)
         return out
-
-    def _before_feed(self) -> dict:
-        """What feeding changes, copied: the cache's slots, the observer's queries, the policy's state, the token
-        log's length and the eviction record."""
-        return {"cache": {k: t.clone() for k, t in self.cache.state_tensors().items()},
-                "observer": {k: t.clone() for k, t in self.observer.state_tensors().items()} if self.observer else {},
-                "policy": copy.deepcopy(self.policy.get_state()), "log": (self.log.n, self.log.sentence),
-                "evictions": copy.deepcopy(self.evictions), "last_logits": self.last_logits}
-
-    def _undo_feed(self, saved: dict) -> None:
-        """Put back what ``_before_feed`` copied: the tokens fed since are forgotten (the archive's too)."""
-        self.cache.load_state_tensors(saved["cache"], self.model.device, self.model.dtype)
-        if self.observer is not None:
-            self.observer.reset()
-            self.observer.load_state_tensors(saved["observer"], self.model.device)
-        self.policy.set_state(saved["policy"])
-        self.log.truncate(*saved["log"])
-        self.archive.truncate(saved["log"][0])
-        self.evictions, self.last_logits = saved["evictions"], saved["last_logits"]
 
     def _feed(self, segments: list[tuple[list[int], int]], want_logprobs: bool = False,
               continue_message: bool = False, tap: QueryTap | None = None):

@@ -36,10 +36,6 @@ class Observer:
         self._count: dict[int, int] = {}
         self._scaling: dict[int, float] = {}
 
-    def reset(self) -> None:
-        """Forget every remembered query."""
-        self._queries, self._qpos, self._count = {}, {}, {}
-
     def state_tensors(self) -> dict[str, torch.Tensor]:
         out = {}
         for li, queries in self._queries.items():

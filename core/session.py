@@ -305,7 +305,8 @@ class Session(Feeding, Generation, SessionReads):
     def warn(self, key: str, text: str) -> None:
         """A warning for the turn in progress, given once per session for each ``key``."""
         if key not in self.warned:
-            self._warnings.append(text)
+            if text not in self._warnings:  # a message read twice (recall) warns once
+                self._warnings.append(text)
             self.warned.add(key)
 
     # -- position limits --------------------------------------------------------------------------------------------
