@@ -173,10 +173,6 @@ class Digests:
         for name in (*self.FILES, "digest.txt"):
             (self.folder / name).unlink(missing_ok=True)
 
-    @property
-    def nbytes(self) -> int:
-        return self.count * sum(self._records) if self.layout is not None else 0
-
 
 class QueryTap:
     """Keeps the latest query rows of the scoring layers while a user message is fed (the attention function calls
