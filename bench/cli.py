@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..core.weights import WEIGHTS
 from ..policies import POLICIES
 
 ORDER = ("ppl", "recall", "speed", "memory", "headaware", "kvpress", "chat", "durability")
@@ -36,6 +37,8 @@ def _common(p: argparse.ArgumentParser) -> None:
                         f"$KVCHAT_HOME/{QUICK_DIR}, leaving the committed results alone)")
     p.add_argument("--json", action="store_true", help="also print the result JSON on stdout (one line per bench)")
     p.add_argument("--model", default="default", help="Hugging Face id, local directory or .gguf file")
+    p.add_argument("--weights", default="auto", choices=WEIGHTS,
+                   help="linear weights as kvchat chat --weights (default auto: half for an fp32 model on the CPU)")
 
 
 def add_parser(sub) -> None:
@@ -75,7 +78,7 @@ def _resolve(mod, args) -> argparse.Namespace:
     """The module's options: its defaults, quick sizes where left at the default, then validated."""
     defaults = _defaults(mod)
     ns = argparse.Namespace(**{**defaults, **{k: getattr(args, k) for k in defaults if hasattr(args, k)}})
-    for k in ("quick", "out", "json", "model"):
+    for k in ("quick", "out", "json", "model", "weights"):
         setattr(ns, k, getattr(args, k))
     if args.quick:
         for k, v in mod.QUICK.items():
@@ -111,6 +114,8 @@ def command_line(name: str, args, ns=None, mod=None) -> str:
     parts = ["kvchat", "bench", name] + (["--quick"] if args.quick else [])
     if args.model != "default":
         parts += ["--model", args.model]
+    if getattr(args, "weights", "auto") != "auto":
+        parts += ["--weights", args.weights]
     if ns is not None and name != "all":
         for k, default in _defaults(mod).items():
             value = getattr(ns, k)
@@ -137,10 +142,10 @@ def run(args) -> int:
     plans = [(mod, _resolve(mod, args)) for mod in chosen]  # every option checked before the model loads
     if args.quick and args.out is None:
         log(f"quick run: writing to {out} (the committed {DOCS}/ is left alone; --out {DOCS} to replace it)")
-    cm = load_model(args.model)
+    cm = load_model(args.model, weights=args.weights)
     failed = []
     for mod, ns in plans:
-        config = {k: v for k, v in vars(ns).items() if k not in ("json", "out")}
+        config = {**{k: v for k, v in vars(ns).items() if k not in ("json", "out")}, "weights": cm.weights}
         bench = Run(mod.NAME, args.quick, config, model=cm.name, command=command_line(args.bench, args, ns, mod))
         log(f"== bench {mod.NAME}{' (quick)' if args.quick else ''}")
         try:

@@ -46,6 +46,16 @@ def read_text(data: Path, name: str) -> str:
     raise ValueError(f"unknown text {name!r}: pg19 or wikitext")
 
 
+def fastchat_pairs(data: Path) -> list[tuple[str, str]]:
+    """(user, assistant) exchanges of the shared FastChat dummy conversations, in order."""
+    pairs = []
+    for c in json.loads((data / "fastchat" / "dummy_conversation.json").read_text(encoding="utf-8")):
+        turns = c["conversations"]
+        pairs += [(a["value"], b["value"]) for a, b in zip(turns[::2], turns[1::2])
+                  if a["from"] == "human" and b["from"] == "gpt" and a["value"].strip() and b["value"].strip()]
+    return pairs
+
+
 def machine() -> dict:
     return {"cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
             "python": platform.python_version(), "platform": platform.platform(),

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 
 from ..core.session import Session, rss_mb
 from ..core.settings import Settings
-from .common import Run, data_dir, log, save_figure
+from .common import Run, data_dir, fastchat_pairs, log, save_figure
 
 NAME = "memory"
 TITLE = "Memory"
@@ -58,12 +57,7 @@ def replay(cm, settings: Settings, pairs: list[tuple[str, str]], turns: int) -> 
 
 
 def run(args, run: Run, cm) -> None:
-    data = data_dir(args.data)
-    pairs = []
-    for c in json.loads((data / "fastchat" / "dummy_conversation.json").read_text(encoding="utf-8")):
-        turns = c["conversations"]
-        pairs += [(a["value"], b["value"]) for a, b in zip(turns[::2], turns[1::2])
-                  if a["from"] == "human" and b["from"] == "gpt" and a["value"].strip() and b["value"].strip()]
+    pairs = fastchat_pairs(data_dir(args.data))
     run.rows = {"runs": []}
     for p in args.policies:
         r = replay(cm, Settings(policy=p, budget=args.budget), pairs, args.turns)

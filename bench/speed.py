@@ -7,9 +7,12 @@ tokens with ``--steps`` decoded tokens (stop tokens disabled); the turn is then 
 history. The full cache gets its own session (up to the model's max positions). Timers around the compression and
 the attention observer give the policy bookkeeping as a share of the decode time. The StreamingLLM paper's
 baseline, sliding window with recomputation, re-encodes the last ``--budget`` tokens from scratch for each
-generated token. The roofline ratio compares a measured decode step with (weight bytes + kept KV bytes) / the
-memory bandwidth, which the bench measures itself (a large tensor copy). A bare transformers loop (DynamicCache,
-SDPA) at the same history, where it fits the model's positions, shows the engine's own overhead.
+generated token. The roofline ratio compares a measured decode step with (bytes of the weights a step reads + kept
+KV bytes) / the memory bandwidth, which the bench measures itself (a large tensor copy). A bare transformers loop
+(DynamicCache, SDPA, greedy: what ``generate`` does per token, without its processors) at the same history, where
+it fits the model's positions, runs twice: on the same model object (same weights as kvchat) and on the model as
+transformers loads it (``--weights model``). TTFT (prefill of the user message until the first token's logits) is
+measured for messages of ``--ttft-prompts`` tokens at turns ``--ttft-turns`` of a chat of FastChat exchanges.
 """
 
 from __future__ import annotations
@@ -22,18 +25,19 @@ from unittest import mock
 
 import torch
 
-from ..core import compress
+from ..core import compress, weights as weight_formats
 from ..core.observe import Observer
 from ..core.session import Sampling, Session
 from ..core.settings import Settings
 from ..policies import POLICIES
-from .common import Run, data_dir, log, read_text, save_figure
+from .common import Run, data_dir, fastchat_pairs, load_model, log, read_text, save_figure
 
 NAME = "speed"
 TITLE = "Speed"
 BOUNDED = [p for p, cls in POLICIES.items() if cls.bounded]
+TRANSFORMERS = {"transformers": "transformers, same weights", "transformers_model_weights": "transformers, fp32 weights"}
 QUICK = {"lengths": [300, 900], "budget": 256, "steps": 6, "prompt": 64, "policies": ["streaming", "h2o"],
-         "recompute_lengths": 1, "recompute_steps": 2}
+         "recompute_lengths": 1, "recompute_steps": 2, "ttft_turns": [2, 6], "ttft_prompts": [30, 120]}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", type=int, default=256, help="tokens of the user turn whose prefill is timed")
     p.add_argument("--recompute-lengths", type=int, default=2, help="how many of --lengths get the recompute baseline")
     p.add_argument("--recompute-steps", type=int, default=3)
+    p.add_argument("--ttft-turns", type=int, nargs="+", default=[10, 1000],
+                   help="turns of a chat (FastChat exchanges, streaming at --budget) at which TTFT is measured")
+    p.add_argument("--ttft-prompts", type=int, nargs="+", default=[30, 500], help="user message sizes for TTFT")
     p.add_argument("--data", default=None, help="the shared data directory (default ../shared/data)")
 
 
@@ -164,10 +171,13 @@ def run(args, run: Run, cm) -> None:
         raise ValueError(f"the text holds {len(text)} tokens, too few for length {max(args.lengths)}")
     prompt = cm.tokenizer.decode(text[-args.prompt - 2000: -2000])
     bw = bandwidth_gbs()
-    weights = sum(p.numel() * p.element_size() for p in cm.model.parameters())
+    weights = weight_formats.step_bytes(cm.model)
     rows: list[dict] = []
-    run.rows = {"rows": rows, "bandwidth_gbs": bw, "weight_bytes": weights, "max_positions": cm.max_positions}
-    log(f"speed: memory bandwidth {bw:.1f} GB/s, weights {weights / 2**20:.0f} MiB")
+    ttft: list[dict] = []
+    run.rows = {"rows": rows, "ttft": ttft, "bandwidth_gbs": bw, "weight_bytes": weights, "weights": cm.weights,
+                "max_positions": cm.max_positions}
+    log(f"speed: memory bandwidth {bw:.1f} GB/s, a decode step reads {weights / 2**20:.0f} MiB of weights "
+        f"(--weights {cm.weights})")
 
     def record(policy: str, length: int, m: dict) -> None:
         roofline_ms = 1000 * (weights + m["kv_bytes"]) / (bw * 1e9)
@@ -204,12 +214,37 @@ def run(args, run: Run, cm) -> None:
         record("full", length, timed_turn(full, prompt, args.steps))
         full.undo()
     del full
-    for length in sorted(args.lengths):
-        if length + args.steps > cm.max_positions:
-            break
-        ms = transformers_ms(cm, text[:length], args.steps)
-        rows.append({"policy": "transformers", "length": length, "decode_ms_per_token": ms})
-        log(f"speed transformers history {length:6d}: {ms:.1f} ms/token (DynamicCache, SDPA, no compression)")
+
+    # TTFT at turn N of a chat: FastChat exchanges appended (teacher-forced) until turn N - 1, then a user message
+    # of each size is answered (and undone, so every size sees the same chat).
+    pairs = fastchat_pairs(data_dir(args.data))
+    chat = Session(cm, base, sampling=Sampling(temperature=0.0), undo=True)
+    fed = 0
+    for turn in sorted(args.ttft_turns):
+        while chat.turn < turn - 1:
+            chat.exchange(*pairs[fed % len(pairs)])
+            fed += 1
+        for n in args.ttft_prompts:
+            m = timed_turn(chat, cm.tokenizer.decode(text[-n - 4000: -4000]), 2)
+            chat.undo()
+            ttft.append({"turn": chat.turn + 1, "prompt_tokens": m["prompt_tokens"], "ttft_ms": m["prefill_ms"],
+                         "history_tokens": chat.total_tokens, "cache_tokens": m["cache_tokens"]})
+            log(f"speed TTFT turn {chat.turn + 1:5d} ({chat.total_tokens} tokens of chat): "
+                f"{m['prompt_tokens']:4d}-token message {m['prefill_ms']:6.0f} ms")
+    del chat
+
+    references = [("transformers", cm)]
+    if cm.weights != "model":  # transformers as it loads the model by itself, for what --weights half gives
+        references.append(("transformers_model_weights", load_model(args.model, weights="model")))
+    for name, ref in references:
+        for length in sorted(args.lengths):
+            if length + args.steps > cm.max_positions:
+                break
+            ms = transformers_ms(ref, text[:length], args.steps)
+            rows.append({"policy": name, "length": length, "decode_ms_per_token": ms, "weights": ref.weights})
+            log(f"speed {name} history {length:6d}: {ms:.1f} ms/token (DynamicCache, SDPA, no compression, "
+                f"--weights {ref.weights})")
+    del references
     for length in sorted(args.lengths)[: args.recompute_lengths]:
         ms = recompute_ms(cm, text[:length], min(args.budget, length), args.recompute_steps)
         rows.append({"policy": "recompute", "length": length, "decode_ms_per_token": ms, "window": args.budget})
@@ -232,9 +267,11 @@ def plot(result: dict, plots, plt) -> list:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for p in dict.fromkeys(r["policy"] for r in rows if r["policy"] != "recompute"):
         rs = sorted((r for r in rows if r["policy"] == p), key=lambda r: r["length"])
-        style = {"color": "black", "ls": "--"} if p == "full" else {"color": "grey", "ls": ":"} if p == "transformers" else {}
-        axes[0].plot([r["length"] for r in rs], [r["decode_ms_per_token"] for r in rs], marker="o", label=p, **style)
-        if p == "transformers":
+        style = ({"color": "black", "ls": "--"} if p == "full" else {"color": "grey", "ls": ":"}
+                 if p == "transformers" else {"color": "grey", "ls": "-."} if p in TRANSFORMERS else {})
+        axes[0].plot([r["length"] for r in rs], [r["decode_ms_per_token"] for r in rs], marker="o",
+                     label=TRANSFORMERS.get(p, p), **style)
+        if p in TRANSFORMERS:
             continue
         axes[1].plot([r["length"] for r in rs], [r["prefill_ms"] for r in rs], marker="o", label=p, **style)
     rec = [r for r in rows if r["policy"] == "recompute"]
@@ -254,27 +291,35 @@ def plot(result: dict, plots, plt) -> list:
 def markdown(result: dict) -> str:
     res, cfg = result["results"], result["config"]
     rows = res["rows"]
-    lengths = sorted({r["length"] for r in rows if r["policy"] not in ("recompute", "transformers")})
+    own = [r for r in rows if r["policy"] != "recompute" and r["policy"] not in TRANSFORMERS]
+    lengths = sorted({r["length"] for r in own})
     lines = [f"Budget {cfg['budget']}, {cfg['steps']} decoded tokens per measurement (decode ms/token: the median "
-             f"step), a {cfg['prompt']}-token user turn; memory bandwidth measured {res['bandwidth_gbs']:.1f} GB/s, "
-             f"weights {res['weight_bytes'] / 2**20:.0f} MiB (fp32). Roofline = (weight bytes + kept KV bytes) / "
-             "bandwidth.",
+             f"step), a {cfg['prompt']}-token user turn; `--weights {res.get('weights', 'model')}`; memory bandwidth "
+             f"measured {res['bandwidth_gbs']:.1f} GB/s; a decode step reads {res['weight_bytes'] / 2**20:.0f} MiB of "
+             "weights. Roofline = (weight bytes a step reads + kept KV bytes) / bandwidth.",
              "", "| policy | " + " | ".join(f"decode ms/token @ {n}" for n in lengths)
              + " | prefill ms @ " + " | prefill ms @ ".join(map(str, lengths))
              + " | bookkeeping | roofline ms | measured / roofline |", "| --- " * (2 * len(lengths) + 4) + "|"]
-    for p in dict.fromkeys(r["policy"] for r in rows if r["policy"] not in ("recompute", "transformers")):
-        cells = {r["length"]: r for r in rows if r["policy"] == p}
+    for p in dict.fromkeys(r["policy"] for r in own):
+        cells = {r["length"]: r for r in own if r["policy"] == p}
         last = cells[max(cells)]
         dec = " | ".join(f"{cells[n]['decode_ms_per_token']:.1f}" if n in cells else "–" for n in lengths)
         pre = " | ".join(f"{cells[n]['prefill_ms']:.0f}" if n in cells else "–" for n in lengths)
         book = statistics.mean(r["bookkeeping"] for r in cells.values())
         lines.append(f"| {p} | {dec} | {pre} | {100 * book:.1f}% | {last['roofline_ms']:.1f} | "
                      f"{last['roofline_ratio']:.1f} |")
-    bare = [r for r in rows if r["policy"] == "transformers"]
-    if bare:
-        lines += ["", "A bare transformers loop (DynamicCache, SDPA, no compression) at the same history, for the "
-                  "engine's own overhead: " + ", ".join(f"{r['decode_ms_per_token']:.1f} ms/token at {r['length']}"
-                                                         for r in bare) + "."]
+    for name, label in TRANSFORMERS.items():
+        bare = [r for r in rows if r["policy"] == name]
+        if not bare:
+            continue
+        parts = []
+        for r in bare:
+            mine = [c["decode_ms_per_token"] for c in own if c["length"] == r["length"] and c["policy"] != "full"]
+            ratio = (f" (kvchat's policies {r['decode_ms_per_token'] / max(mine):.2f}-"
+                     f"{r['decode_ms_per_token'] / min(mine):.2f}x faster)" if mine else "")
+            parts.append(f"{r['decode_ms_per_token']:.1f} ms/token at {r['length']}{ratio}")
+        lines += ["", f"A bare transformers loop ({label}: `--weights {bare[0].get('weights', 'model')}`; "
+                  "DynamicCache, SDPA, no compression) at the same history: " + ", ".join(parts) + "."]
     rec = [r for r in rows if r["policy"] == "recompute"]
     if rec:
         lines += ["", "Sliding window with recomputation (re-encoding the last "
@@ -282,4 +327,16 @@ def markdown(result: dict) -> str:
                   + ", ".join(f"{r['decode_ms_per_token']:.0f} ms/token at {r['length']}" for r in rec) + "."]
     if any(n + 300 > res["max_positions"] for n in lengths):
         lines += ["", f"`full` stops at the model's {res['max_positions']} positions, so it has no cells beyond."]
+    ttft = res.get("ttft") or []
+    if ttft:
+        sizes = sorted({r["prompt_tokens"] for r in ttft})
+        lines += ["", f"TTFT (`streaming` at budget {cfg['budget']}, a chat of FastChat exchanges; ms from the user "
+                  "message to the first token's logits):", "",
+                  "| turn | tokens of chat | " + " | ".join(f"{n}-token message" for n in sizes) + " |",
+                  "| --- " * (len(sizes) + 2) + "|"]
+        for turn in sorted({r["turn"] for r in ttft}):
+            cells = {r["prompt_tokens"]: r for r in ttft if r["turn"] == turn}
+            first = next(iter(cells.values()))
+            lines.append(f"| {turn} | {first['history_tokens']} | "
+                         + " | ".join(f"{cells[n]['ttft_ms']:.0f}" if n in cells else "–" for n in sizes) + " |")
     return "\n".join(lines)

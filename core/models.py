@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from . import attention
+from . import attention, weights as weight_formats
 from .positions import Rotary
 from .template import ChatFormat
 
@@ -140,6 +140,8 @@ class ChatModel:
     generation_defaults: dict = field(default_factory=dict)
     #: Token ids of the chat template's scaffolding (computed by core/recall.py when recall first runs).
     scaffolding: torch.Tensor | None = field(default=None, repr=False)
+    #: How the linear layers' weights are held (core/weights.py): "model" (as loaded) or "half".
+    weights: str = "model"
 
     @property
     def sampling_defaults(self) -> dict:
@@ -194,13 +196,17 @@ def _generation_defaults(model) -> dict:
 
 
 def load(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto", device_map: str | None = None,
-         chat_template: str | None = None) -> ChatModel:
-    """Load a chat model; ModelError with a one-line reason when it cannot be."""
+         chat_template: str | None = None, weights: str = "auto") -> ChatModel:
+    """Load a chat model; ModelError with a one-line reason when it cannot be. ``weights``: core/weights.py."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve(spec)
     dev = pick_device(device)
     torch_dtype = pick_dtype(dtype, dev)
+    try:
+        held = weight_formats.resolve(weights, dev, torch_dtype)
+    except ValueError as exc:
+        raise ModelError(str(exc)) from None
     impl = attention.register()
     kwargs = {"dtype": torch_dtype, "attn_implementation": impl}
     if device_map:
@@ -220,6 +226,8 @@ def load(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto", d
         chat_template = template_path.read_text(encoding="utf-8")
     name = DEFAULT_MODEL_NAME if spec in (DEFAULT_MODEL, DEFAULT_MODEL_NAME) else str(spec)
     try:
-        return ChatModel.from_pretrained_model(model, tokenizer, name=name, chat_template=chat_template)
+        cm = ChatModel.from_pretrained_model(model, tokenizer, name=name, chat_template=chat_template)
     except ValueError as exc:
         raise ModelError(str(exc)) from None
+    cm.weights = weight_formats.apply(model, held)
+    return cm

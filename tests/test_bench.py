@@ -29,7 +29,7 @@ def _exit_code(argv):
     (["bench", "ppl", "--sinks", "-1"], "--sinks must be >= 0"),
 ])
 def test_bad_input_exits_2_before_loading(argv, needle, capsys, monkeypatch):
-    monkeypatch.setattr("kvchat.bench.common.load_model", lambda spec: pytest.fail("the model must not load"))
+    monkeypatch.setattr("kvchat.bench.common.load_model", lambda spec, **kw: pytest.fail("the model must not load"))
     assert _exit_code(argv) == 2
     err = capsys.readouterr().err
     assert needle in err
@@ -46,7 +46,7 @@ def test_quick_sizes_apply_only_where_left_at_default():
 
     from kvchat.bench import ppl
 
-    args = argparse.Namespace(quick=True, out="x", json=False, model="default", tokens=777,
+    args = argparse.Namespace(quick=True, out="x", json=False, model="default", weights="auto", tokens=777,
                               **{k: v for k, v in bench_cli._defaults(ppl).items() if k != "tokens"})
     ns = bench_cli._resolve(ppl, args)
     assert ns.tokens == 777  # set by the user
