@@ -36,8 +36,8 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps")
     g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
     g.add_argument("--weights", default="auto", choices=WEIGHTS,
-                   help="linear weights: half (fp16 for decode steps, bf16 for prefill; activations and cache as "
-                        "--dtype), model (as loaded), auto (half for an fp32 model on the CPU; default auto)")
+                   help="linear weights: half (an fp16 copy for one-token decode steps; prefill, activations and cache "
+                        "as loaded), model (as loaded), auto (half for an fp32 model on the CPU; default auto)")
     g.add_argument("--device-map", default=None, help="e.g. auto: spread a large model over devices (accelerate)")
     g.add_argument("--chat-template", default=None, help="'plain' or a Jinja file, for models without a template")
     g.add_argument("--db", default=None, help="SQLite database (default: $KVCHAT_HOME/kvchat.db)")

@@ -24,8 +24,8 @@ OTHER_FLAGS = (
     ("`--device`, `--dtype`, `--device-map`", "auto",
      "cuda > mps > cpu; bf16 on CUDA, fp32 on CPU; `--device-map auto` spreads big models (accelerate)"),
     ("`--weights`", "auto",
-     "`half`: linear weights in fp16 for decode steps and bf16 for prefill (activations and cache as `--dtype`); "
-     "`model`: as loaded; `auto`: `half` for an fp32 model on the CPU"),
+     "`half`: an fp16 copy of the linear weights for one-token decode steps (prefill, activations and cache as "
+     "loaded; +50% weight memory for fp32); `model`: as loaded; `auto`: `half` for an fp32 model on the CPU"),
     ("`--chat-template`", "the model's",
      "`plain` or a Jinja file for models without one (GPT-2 gets `plain` automatically)"),
     ("`--db`", "`$KVCHAT_HOME/kvchat.db`", "SQLite database"),

@@ -65,5 +65,5 @@ def model_dir(tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smol(default_dir) -> ChatModel:
-    """The real default model (SmolLM2-135M-Instruct, fp32 on CPU)."""
+    """The real default model (SmolLM2-135M-Instruct, fp32 on CPU, with the default --weights: half)."""
     return models.load(str(default_dir))
