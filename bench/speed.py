@@ -10,8 +10,8 @@ baseline, sliding window with recomputation, re-encodes the last ``--budget`` to
 generated token. The roofline ratio compares a measured decode step with (bytes of the weights a step reads + kept
 KV bytes) / the memory bandwidth, which the bench measures itself (a large tensor copy). A bare transformers loop
 (DynamicCache, SDPA, greedy: what ``generate`` does per token, without its processors) at the same history, where
-it fits the model's positions, runs twice: on the same model object (same weights as kvchat) and on the model as
-transformers loads it (``--weights model``). TTFT (prefill of the user message until the first token's logits) is
+it fits the model's positions, runs twice on the same model object: with kvchat's weights, and with the fp16 copies
+of ``--weights half`` switched off (the weights as transformers loads them, ``weights.as_loaded``). TTFT (prefill of the user message until the first token's logits) is
 measured for messages of ``--ttft-prompts`` tokens at turns ``--ttft-turns`` of a chat of FastChat exchanges.
 """
 
@@ -30,7 +30,7 @@ from ..core.observe import Observer
 from ..core.session import Sampling, Session
 from ..core.settings import Settings
 from ..policies import POLICIES
-from .common import Run, data_dir, fastchat_pairs, load_model, log, read_text, save_figure
+from .common import Run, data_dir, fastchat_pairs, log, read_text, save_figure
 
 NAME = "speed"
 TITLE = "Speed"
@@ -233,18 +233,18 @@ def run(args, run: Run, cm) -> None:
                 f"{m['prompt_tokens']:4d}-token message {m['prefill_ms']:6.0f} ms")
     del chat
 
-    references = [("transformers", cm)]
-    if cm.weights != "model":  # transformers as it loads the model by itself, for what --weights half gives
-        references.append(("transformers_model_weights", load_model(args.model, weights="model")))
-    for name, ref in references:
+    references = [("transformers", cm.weights, contextlib.nullcontext)]
+    if cm.weights != "model":  # transformers on the weights as loaded, for what --weights half gives
+        references.append(("transformers_model_weights", "model", lambda: weight_formats.as_loaded(cm.model)))
+    for name, held, context in references:
         for length in sorted(args.lengths):
             if length + args.steps > cm.max_positions:
                 break
-            ms = transformers_ms(ref, text[:length], args.steps)
-            rows.append({"policy": name, "length": length, "decode_ms_per_token": ms, "weights": ref.weights})
+            with context():
+                ms = transformers_ms(cm, text[:length], args.steps)
+            rows.append({"policy": name, "length": length, "decode_ms_per_token": ms, "weights": held})
             log(f"speed {name} history {length:6d}: {ms:.1f} ms/token (DynamicCache, SDPA, no compression, "
-                f"--weights {ref.weights})")
-    del references
+                f"--weights {held})")
     for length in sorted(args.lengths)[: args.recompute_lengths]:
         ms = recompute_ms(cm, text[:length], min(args.budget, length), args.recompute_steps)
         rows.append({"policy": "recompute", "length": length, "decode_ms_per_token": ms, "window": args.budget})

@@ -15,6 +15,8 @@ bytes. Norms, attention and the KV cache stay in the model's dtype.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,9 +32,10 @@ class HalfLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias
         self.register_buffer("step", linear.weight.detach().to(torch.float16), persistent=False)
+        self.use_step = True  # False: every read on the loaded weight (``as_loaded``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() != x.shape[-1]:
+        if not self.use_step or x.numel() != x.shape[-1]:
             return F.linear(x, self.weight, self.bias)
         out = F.linear(x.to(self.step.dtype), self.step).to(x.dtype)
         return out if self.bias is None else out + self.bias
@@ -57,6 +60,20 @@ def apply(model: nn.Module, weights: str) -> str:
                 if type(child) is nn.Linear:
                     setattr(module, name, HalfLinear(child))
     return weights
+
+
+@contextlib.contextmanager
+def as_loaded(model: nn.Module):
+    """Within the block, every read runs on the loaded weights (what ``--weights model`` would do), without a
+    second copy of the model."""
+    halves = [m for m in model.modules() if isinstance(m, HalfLinear)]
+    for m in halves:
+        m.use_step = False
+    try:
+        yield
+    finally:
+        for m in halves:
+            m.use_step = True
 
 
 def step_bytes(model: nn.Module) -> int:

@@ -38,6 +38,10 @@ def test_one_token_steps_use_the_fp16_copy_and_stay_close(pair):
     assert not torch.equal(a, b)  # the fp16 path really ran
     assert torch.allclose(a, b, atol=2e-2 * a.abs().max().item())
     assert half.model.layers[0].mlp.up_proj.step.dtype == torch.float16
+    with torch.no_grad(), weights.as_loaded(half):  # the reference the speed bench compares with
+        assert torch.equal(half(ids).logits, a)
+    with torch.no_grad():
+        assert torch.equal(half(ids).logits, b)
 
 
 def test_tied_output_layer_stays_tied_and_a_step_reads_half_the_bytes(tokenizer):
