@@ -264,24 +264,32 @@ class KVLayer(CacheLayerMixin):
         rebuilt (``KVCache.load_slot_state``). Recalled slots start each statistic at the median of the head's kept
         ones."""
         archive = self._owner.archive
-        keys, values, held_all, stats = [], [], [], {name: [] for name in self.stats}
+        held_all, targets, stats = [], [], {name: [] for name in self.stats}
         for h, idx in enumerate(index):
             src = idx.to(self.device) + self.offs[h]
             kept = self.abs_pos[src].long().cpu()
             new = bring[~torch.isin(bring, kept)]
             held, order = torch.sort(torch.cat([kept, new]))
             n = held.numel()
-            target = held if original else next_pos - n + torch.arange(n)
-            k, v, computed = archive.keys_values(self.index, held[None], [h])
-            if rotary is not None:
-                k = rotary.rotate(k, target[None] - computed.long())
-            keys.append(k[0].to(device=self.device, dtype=self.dtype))
-            values.append(v[0].to(device=self.device, dtype=self.dtype))
             held_all.append(held)
+            targets.append(held if original else next_pos - n + torch.arange(n))
             for name, t in self.stats.items():
                 old = t[src]
                 fill = old.median() if old.numel() else torch.zeros((), dtype=t.dtype, device=t.device)
                 stats[name].append(torch.cat([old, fill.expand(new.numel())])[order.to(self.device)])
+        # One archive read and one rotation for all heads of the layer (rows padded to the longest head's).
+        width = max(held.numel() for held in held_all)
+
+        def padded(rows: list[torch.Tensor]) -> torch.Tensor:
+            return torch.stack([torch.cat([r, r[-1:].expand(width - r.numel())]) if r.numel() else
+                                torch.zeros(width, dtype=torch.long) for r in rows])
+
+        k, v, computed = archive.keys_values(self.index, padded(held_all))
+        if rotary is not None:
+            k = rotary.rotate(k, padded(targets) - computed.long())
+        k, v = k.to(device=self.device, dtype=self.dtype), v.to(device=self.device, dtype=self.dtype)
+        keys = [k[h, : held.numel()] for h, held in enumerate(held_all)]
+        values = [v[h, : held.numel()] for h, held in enumerate(held_all)]
         self.load(caps, keys, values, held_all, [next_pos - k.shape[0] for k in keys], {})
         for name, parts in stats.items():
             t = self.ensure_stat(name)

@@ -28,6 +28,7 @@ REPS = 4  # representative keys per group, layer and KV head
 SCORING_LAYERS = 8  # layers whose queries and keys score relevance
 QUERY_ROWS = 64  # the latest query rows of a user message kept for scoring
 CANDIDATES = 512  # past this many groups, a coarse pass (one key per group, a few layers) picks the ones scored
+COARSE_ROWS = 24  # query rows (spread evenly over the message) the coarse pass uses; the full pass uses all
 HELD_QUANTILE = 0.9  # a recalled group must outscore this share of the groups the cache holds
 BLOCK = 8192  # positions digested at a time
 
@@ -58,6 +59,9 @@ class Digests:
         self.covered = 0  # positions digested (the end of the last group)
         self.layout: tuple[int, int] | None = None  # heads, key dim
         self._files = None
+        #: The coarse keys in memory once recall has read them ([coarse layers, heads, capacity, key dim] float16;
+        #: rows below ``count`` valid), kept current as groups are added: the coarse pass reads them every message.
+        self._coarse: torch.Tensor | None = None
         if (self.folder / "digest.txt").is_file():
             heads, kdim, *layers = map(int, (self.folder / "digest.txt").read_text().split())
             self.layout, self.layers = (heads, kdim), layers
@@ -117,8 +121,11 @@ class Digests:
             top = torch.cat([top, top[..., :1].expand(-1, -1, REPS - top.shape[-1])], -1)
             out[g] = torch.gather(keys, 2, top[..., None].expand(-1, -1, -1, kdim))
         files = self._open()
+        coarse = out[:, coarse_index(self.layers), :, 0].half().contiguous()  # [groups, coarse layers, heads, kdim]
         files[0].write(out.half().numpy().tobytes())
-        files[1].write(out[:, coarse_index(self.layers), :, 0].half().contiguous().numpy().tobytes())
+        files[1].write(coarse.numpy().tobytes())
+        if self._coarse is not None:
+            self._keep_coarse(coarse.permute(1, 2, 0, 3))
         files[2].write(torch.stack([starts, ends], 1).to(torch.int32).numpy().tobytes())
         self.count += len(counts)
         self.covered = n
@@ -131,7 +138,8 @@ class Digests:
 
     def read(self) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
         """Group spans [groups, 2] (start, end), digests [groups, layers, heads, REPS, kdim] (float16, a read-only
-        memory map: only the rows scored are read) and the coarse ones [groups, 3, heads, kdim] (float16)."""
+        memory map: only the rows scored are read) and the coarse keys [3, heads, groups, kdim] (float16, from
+        memory after the first read)."""
         if not self.count:
             return torch.zeros(0, 2, dtype=torch.long), np.zeros((0,), np.float16), torch.zeros(0)
         if self._files is not None:
@@ -141,9 +149,25 @@ class Digests:
         spans = np.fromfile(self.folder / "groups.bin", dtype=np.int32, count=2 * self.count).reshape(-1, 2)
         digests = np.memmap(self.folder / "digest.bin", dtype=np.float16, mode="r",
                             shape=(self.count, len(self.layers), heads, REPS, kdim))
-        coarse = np.fromfile(self.folder / "coarse.bin", dtype=np.float16, count=self.count * self._records[1] // 2)
-        return (torch.from_numpy(spans).long(), digests,
-                torch.from_numpy(coarse.reshape(self.count, len(coarse_index(self.layers)), heads, kdim)))
+        if self._coarse is None:
+            coarse = np.fromfile(self.folder / "coarse.bin", dtype=np.float16,
+                                 count=self.count * self._records[1] // 2)
+            self._coarse = torch.zeros(len(coarse_index(self.layers)), heads, 0, kdim, dtype=torch.float16)
+            written, self.count = self.count, 0
+            self._keep_coarse(torch.from_numpy(coarse).view(written, -1, heads, kdim).permute(1, 2, 0, 3))
+            self.count = written
+        return torch.from_numpy(spans).long(), digests, self._coarse[:, :, : self.count]
+
+    def _keep_coarse(self, rows: torch.Tensor) -> None:
+        """Write ``rows`` ([coarse layers, heads, n, kdim]) after the first ``count`` rows of the coarse keys in
+        memory, growing them by doubling."""
+        end = self.count + rows.shape[2]
+        if end > self._coarse.shape[2]:
+            grown = self._coarse.new_zeros(*self._coarse.shape[:2], max(end, 2 * self._coarse.shape[2], 256),
+                                           self._coarse.shape[3])
+            grown[:, :, : self.count] = self._coarse[:, :, : self.count]
+            self._coarse = grown
+        self._coarse[:, :, self.count: end] = rows
 
     def sync(self) -> None:
         if self._files is not None:
@@ -170,6 +194,7 @@ class Digests:
 
     def delete(self) -> None:
         self.close()
+        self._coarse = None
         for name in (*self.FILES, "digest.txt"):
             (self.folder / name).unlink(missing_ok=True)
 
@@ -207,13 +232,20 @@ class QueryTap:
 def relevance(digests: np.ndarray, coarse: torch.Tensor, layers: list[int], queries: dict[int, torch.Tensor],
               scaling: dict[int, float]) -> torch.Tensor:
     """[groups] how much the queries want each group (``score``). Past ``CANDIDATES`` groups, a coarse pass over
-    one key per group in three layers picks the candidates whose digests are read and scored in full; the others
-    get 0."""
+    one key per group in three layers (``coarse``: [3, heads, groups, kdim]) and ``COARSE_ROWS`` of the query rows
+    picks the candidates whose digests are read and scored in full; the others get 0."""
     groups = digests.shape[0]
     if groups <= CANDIDATES:
         return score(torch.from_numpy(np.array(digests)), layers, queries, scaling)
-    first = score(coarse[:, :, :, None], [layers[i] for i in coarse_index(layers)], queries, scaling)
-    picked = first.topk(CANDIDATES).indices.sort().values
+    first, used = torch.zeros(groups), 0
+    for ci, li in zip(range(coarse.shape[0]), [layers[i] for i in coarse_index(layers)]):
+        q = queries.get(li)
+        if q is not None:
+            if q.shape[1] > COARSE_ROWS:  # its cost grows with rows x groups: a long message is sampled
+                q = q[:, torch.linspace(0, q.shape[1] - 1, COARSE_ROWS).round().long().to(q.device)]
+            first += _shares(q, coarse[ci].to(q.device, torch.float32), scaling.get(li, q.shape[-1] ** -0.5), 1)
+            used += 1
+    picked = (first / max(used, 1)).topk(CANDIDATES).indices.sort().values
     out = torch.zeros(groups)
     out[picked] = score(torch.from_numpy(digests[picked.numpy()]), layers, queries, scaling)
     return out
@@ -231,12 +263,22 @@ def score(digests: torch.Tensor, layers: list[int], queries: dict[int, torch.Ten
         q = queries.get(li)
         if q is None:
             continue
-        qh = q.reshape(heads, -1, kdim)  # the query heads sharing a KV head, all rows: [heads, g * rows, dim]
-        d = digests[:, si].to(q.device, torch.float32).permute(1, 0, 2, 3).reshape(heads, groups * reps, kdim)
-        s = torch.bmm(qh, d.transpose(1, 2)).view(heads, qh.shape[1], groups, reps).amax(-1)
-        total += (s * scaling.get(li, kdim ** -0.5)).softmax(-1).amax((0, 1)).cpu()
+        keys = digests[:, si].to(q.device, torch.float32).permute(1, 0, 2, 3).reshape(heads, groups * reps, kdim)
+        total += _shares(q, keys, scaling.get(li, kdim ** -0.5), reps)
         used += 1
     return total / max(used, 1)
+
+
+def _shares(q: torch.Tensor, keys: torch.Tensor, scale: float, reps: int) -> torch.Tensor:
+    """[groups] the largest attention share any row of ``q`` ([query heads, rows, dim]; the query heads sharing a
+    KV head go together) gives each group, the softmax taken over the groups' best of ``reps`` keys (``keys``:
+    [KV heads, groups * reps, dim])."""
+    heads = keys.shape[0]
+    qh = q.reshape(heads, -1, keys.shape[-1]) * scale
+    s = torch.bmm(qh, keys.transpose(1, 2))
+    if reps > 1:
+        s = s.view(heads, qh.shape[1], -1, reps).amax(-1)
+    return s.softmax(-1).amax((0, 1)).cpu()
 
 
 def scaffolding(model) -> torch.Tensor:
@@ -259,7 +301,6 @@ def choose(relevance: torch.Tensor, spans: torch.Tensor, held: torch.Tensor, con
     scoring at least ``threshold``, holding more than template scaffolding (``content``: per position) and mostly
     evicted now (less than half of its (layer, head, position) slots held). Each comes as a unit with the evicted
     scaffolding groups right around it (consecutive group indices), the units in conversation order."""
-    chosen, used = [], 0
     a, b = spans[:, 0], spans[:, 1]
     held_sum = torch.cat([torch.zeros(1, dtype=torch.float64), held.double().cumsum(0)])
     mean_held = ((held_sum[b] - held_sum[a]) / (b - a)).float()
@@ -269,17 +310,21 @@ def choose(relevance: torch.Tensor, spans: torch.Tensor, held: torch.Tensor, con
     present = relevance[(mean_held >= 0.5) & has_content & (relevance > 0)]
     if present.numel() and HELD_QUANTILE > 0:
         threshold = max(threshold, float(torch.quantile(present, HELD_QUANTILE)))
-    picked = set()
-    for g in relevance.argsort(descending=True).tolist():
-        if len(chosen) >= groups or relevance[g] < threshold:
+    evicted = mean_held < 0.5
+    wanted = (evicted & has_content & (relevance > 0) & (relevance >= threshold)).nonzero().flatten()
+    order = wanted[relevance[wanted].argsort(descending=True)].tolist()
+    free = (evicted & ~has_content).tolist()  # evicted scaffolding groups, which come along with their neighbour
+    size = (b - a).tolist()
+    chosen, used, picked = [], 0, set()
+    for g in order:
+        if len(chosen) >= groups or used >= tokens:
             break
-        if g in picked or mean_held[g] >= 0.5 or not has_content[g]:
+        if g in picked:
             continue
         # the template scaffolding right around it (the message's header, its end marker) comes with it, so the
         # model reads it as the message it was
-        unit = [n for n in (g - 1, g, g + 1) if n == g or (0 <= n < len(spans) and not has_content[n]
-                                                             and mean_held[n] < 0.5 and n not in picked)]
-        cost = sum(int(spans[n, 1] - spans[n, 0]) for n in unit)
+        unit = [n for n in (g - 1, g, g + 1) if n == g or (0 <= n < len(size) and free[n] and n not in picked)]
+        cost = sum(size[n] for n in unit)
         if used + cost > tokens:
             continue
         chosen.append(unit)

@@ -4,6 +4,7 @@ its conversation."""
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -192,7 +193,7 @@ def test_relevance_finds_the_group_the_queries_point_at(monkeypatch, candidates)
         direction = queries[li].view(heads, -1, dim).mean(1)
         digests[target, si, :, 0] = 4 * direction / direction.norm(dim=-1, keepdim=True) * dim ** 0.5
     digests = digests.half()
-    coarse = digests[:, recall.coarse_index(layers), :, 0].contiguous()
+    coarse = digests[:, recall.coarse_index(layers), :, 0].permute(1, 2, 0, 3).contiguous()
     rel = recall.relevance(digests.numpy(), coarse, layers, queries, {})
     assert rel.argmax() == target
     assert (rel == 0).sum() == (groups - candidates if candidates < groups else 0)
@@ -210,3 +211,24 @@ def test_digests_written_a_block_at_a_time_equal_those_written_at_once(tiny, tmp
         folder = session.archive.folder
         files[block] = [(folder / name).read_bytes() for name in ("digest.bin", "coarse.bin", "groups.bin")]
     assert files[20] == files[100_000] and len(files[20][2]) > 8 * 4
+
+
+def test_coarse_keys_kept_in_memory_follow_the_file_through_adds_and_undo(tiny, tmp_path):
+    """Once recall has read the coarse keys they stay in memory and are extended as turns close; after an undo
+    (the digests truncated) and more turns they still equal what coarse.bin holds."""
+    session = Session(tiny("llama"), _settings(recall="off"), store=Store(tmp_path / "c.db"), sampling=GREEDY,
+                      undo=True)
+    _chat(session, rounds=1)
+    digests = session.archive.digests
+
+    def on_disk():
+        heads, dim = digests.layout
+        raw = torch.from_numpy(np.fromfile(digests.folder / "coarse.bin", dtype=np.float16))
+        return raw.view(digests.count, -1, heads, dim).permute(1, 2, 0, 3)
+
+    assert torch.equal(digests.read()[2], on_disk())  # loaded from the file
+    session.chat("One more thing to remember: the boat is blue.")
+    assert torch.equal(digests.read()[2], on_disk())  # extended in memory
+    session.undo()
+    session.chat("A different turn: the lake was calm and grey.")
+    assert torch.equal(digests.read()[2], on_disk()) and digests.read()[2].shape[2] == digests.count
