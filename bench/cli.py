@@ -121,6 +121,9 @@ def command_line(name: str, args, ns=None, mod=None) -> str:
             value = getattr(ns, k)
             if value != default and not (args.quick and value == mod.QUICK.get(k)):
                 flag = "--" + k.replace("_", "-")
+                if isinstance(value, bool):  # a switch (store_true): the flag alone
+                    parts += [flag] if value else []
+                    continue
                 parts += [flag] + ([str(v) for v in value] if isinstance(value, list) else [str(value)])
     if args.out is not None and not (args.out == DOCS and not args.quick):
         parts += ["--out", str(args.out)]

@@ -1,28 +1,42 @@
 """Memory: a headless replay of ``--turns`` exchanges (FastChat dummy conversations, appended without generation)
 with cache bytes and the process's resident memory sampled after every turn. Once the cache has filled both
 should be flat: the slope of a least-squares line over the turns after the first eviction is reported in MB per
-1000 turns. The session keeps 20 bytes of token metadata per token ever fed (README), which is the expected
-residual growth.
+1000 turns, and the RSS growth from the turn the cache filled to the end. The session keeps 20 bytes of token
+metadata per token ever fed (README), which is the expected residual growth.
+
+With ``--store`` the replay is a stored conversation as a chat is (SQLite, the archive, the digests, every turn
+committed), and the database's and the archive's bytes are sampled too. At the turns ``--decode-at`` (and the last)
+a reply of ``--decode-steps`` greedy tokens is generated as part of the chat and its decode ms/token (the median
+step) recorded: the soak of a long chat (``--turns 10000 --policies streaming h2o --store``).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import tempfile
+from pathlib import Path
 
 from ..core.session import Session, rss_mb
 from ..core.settings import Settings
-from .common import Run, data_dir, fastchat_pairs, log, save_figure
+from ..core.tokens import TokenLog
+from ..storage.db import Store
+from .common import Run, data_dir, fastchat_pairs, log, read_text, save_figure
 
 NAME = "memory"
 TITLE = "Memory"
-QUICK = {"turns": 60, "budget": 256}
+QUICK = {"turns": 60, "budget": 256, "decode_at": [20], "decode_steps": 4}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--turns", type=int, default=2000)
     p.add_argument("--policies", nargs="+", default=["streaming"])
     p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--store", action="store_true",
+                   help="replay as a stored conversation (SQLite, archive, digests) and sample their bytes")
+    p.add_argument("--decode-at", type=int, nargs="+", default=[100],
+                   help="turns (and the last) at which a reply's decode ms/token is measured")
+    p.add_argument("--decode-steps", type=int, default=32)
     p.add_argument("--data", default=None, help="the shared data directory (default ../shared/data)")
 
 
@@ -36,31 +50,61 @@ def slope_per_1000(xs: list[float], ys: list[float]) -> float:
     return 1000 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
 
 
-def replay(cm, settings: Settings, pairs: list[tuple[str, str]], turns: int) -> dict:
+def _bytes(*paths: Path) -> int:
+    return sum(f.stat().st_size for p in paths for f in ([p] if p.is_file() else p.glob("*") if p.is_dir() else [])
+               if f.is_file())
+
+
+def replay(cm, settings: Settings, pairs: list[tuple[str, str]], turns: int, args, prompt: str,
+           folder: Path | None = None) -> dict:
+    from .speed import timed_turn
+
     gc.collect()
-    session = Session(cm, settings)
-    samples, filled = [], None
-    for t in range(turns):
-        user, assistant = pairs[t % len(pairs)]
-        session.exchange(user, assistant)
+    store = Store(folder / f"{settings.policy}.db") if folder is not None else None
+    session = Session(cm, settings, store=store)
+    samples, filled, decode = [], None, []
+    at = {t for t in args.decode_at if t < turns} | {turns}
+    for t in range(1, turns + 1):
+        if t in at:
+            m = timed_turn(session, prompt, args.decode_steps)
+            decode.append({"turn": t, "decode_ms_per_token": m["decode_ms_per_token"],
+                           "cache_tokens": m["cache_tokens"]})
+            log(f"memory {settings.policy:10s} turn {t}: decode {m['decode_ms_per_token']:.1f} ms/token")
+        else:
+            session.exchange(*pairs[(t - 1) % len(pairs)])
         if filled is None and session.evicted_total:
             filled = t
-        samples.append((t, session.cache_bytes, rss_mb(), session.cache_tokens))
+        disk = (_bytes(store.path, Path(f"{store.path}-wal")), _bytes(session.archive.folder)) if store else (0, 0)
+        samples.append((t, session.cache_bytes, rss_mb(), session.cache_tokens, *disk))
     after = [s for s in samples if filled is not None and s[0] >= max(filled, turns // 10)]
     xs = [s[0] for s in after]
-    return {"policy": settings.policy, "budget": settings.budget, "turns": turns, "tokens": session.total_tokens,
-            "first_filled_turn": filled, "max_cache_tokens": max(s[3] for s in samples), "bound": settings.capacity,
-            "cache_bytes_last": samples[-1][1], "cache_mb_slope": slope_per_1000(xs, [s[1] / 2**20 for s in after]),
-            "rss_mb_first": after[0][2] if after else None, "rss_mb_last": samples[-1][2],
-            "rss_mb_slope": slope_per_1000(xs, [s[2] for s in after]),
-            "samples": [[s[0], round(s[1] / 2**20, 3), round(s[2], 1)] for s in samples]}
+    out = {"policy": settings.policy, "budget": settings.budget, "turns": turns, "tokens": session.total_tokens,
+           "first_filled_turn": filled, "max_cache_tokens": max(s[3] for s in samples), "bound": settings.capacity,
+           "cache_bytes_last": samples[-1][1], "cache_mb_slope": slope_per_1000(xs, [s[1] / 2**20 for s in after]),
+           "rss_mb_first": after[0][2] if after else None, "rss_mb_last": samples[-1][2],
+           "rss_mb_slope": slope_per_1000(xs, [s[2] for s in after]),
+           "token_log_bytes": session.total_tokens * 4 * len(TokenLog.COLUMNS), "decode": decode,
+           "stored": store is not None,
+           "samples": [[s[0], round(s[1] / 2**20, 3), round(s[2], 1), s[4], s[5]] for s in samples]}
+    if store is not None:
+        out.update(sqlite_bytes=samples[-1][4], archive_bytes=samples[-1][5],
+                   sqlite_bytes_per_turn=samples[-1][4] / turns, archive_bytes_per_token=samples[-1][5] / max(
+                       session.total_tokens, 1))
+        session.close()
+        store.close()
+    return out
 
 
 def run(args, run: Run, cm) -> None:
-    pairs = fastchat_pairs(data_dir(args.data))
+    data = data_dir(args.data)
+    pairs = fastchat_pairs(data)
+    text = cm.tokenizer(read_text(data, "pg19")[:4000], add_special_tokens=False)["input_ids"]
+    prompt = cm.tokenizer.decode(text[:30])
     run.rows = {"runs": []}
     for p in args.policies:
-        r = replay(cm, Settings(policy=p, budget=args.budget), pairs, args.turns)
+        with tempfile.TemporaryDirectory(prefix="kvchat-bench-memory-") as tmp:
+            r = replay(cm, Settings(policy=p, budget=args.budget), pairs, args.turns, args, prompt,
+                       Path(tmp) if args.store else None)
         run.rows["runs"].append(r)
         log(f"memory {p:10s} {r['turns']} turns, {r['tokens']} tokens: cache {r['cache_bytes_last'] / 2**20:.1f} MiB "
             f"(slope {r['cache_mb_slope']:.3f} MB/1000 turns), RSS {r['rss_mb_last']:.0f} MB "
@@ -70,11 +114,16 @@ def run(args, run: Run, cm) -> None:
                   f"{r['first_filled_turn']}")
         run.check(f"{p} cache bytes flat", abs(r["cache_mb_slope"]) < 0.01,
                   f"{r['cache_mb_slope']:.4f} MB per 1000 turns after the cache filled")
+        if r["rss_mb_first"] is not None:
+            log(f"memory {p:10s} RSS {r['rss_mb_first']:.0f} -> {r['rss_mb_last']:.0f} MB from the cache filling "
+                f"(turn {r['first_filled_turn']}) to the end")
 
 
 def plot(result: dict, plots, plt) -> list:
     runs = result["results"]["runs"]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    stored = any(r.get("stored") for r in runs)
+    fig, axes = plt.subplots(1, 2 if stored else 1, figsize=(12 if stored else 7, 4), squeeze=False)
+    ax = axes[0][0]
     for r in runs:
         s = r["samples"]
         ax.plot([x[0] for x in s], [x[2] for x in s], label=f"RSS, {r['policy']}")
@@ -83,6 +132,17 @@ def plot(result: dict, plots, plt) -> list:
     ax.set_ylabel("MB")
     ax.set_title(f"Memory over a {runs[0]['turns']}-turn replay, budget {runs[0]['budget']}")
     ax.legend(fontsize=8)
+    if stored:
+        ax = axes[0][1]
+        for r in runs:
+            s = r["samples"]
+            if len(s[0]) > 3:
+                ax.plot([x[0] for x in s], [x[3] / 2**20 for x in s], label=f"SQLite, {r['policy']}")
+                ax.plot([x[0] for x in s], [x[4] / 2**30 * 1024 for x in s], ls="--", label=f"archive, {r['policy']}")
+        ax.set_xlabel("turn")
+        ax.set_ylabel("MiB on disk")
+        ax.set_yscale("log")
+        ax.legend(fontsize=8)
     return [save_figure(fig, plots / "memory.png", plt)]
 
 
@@ -93,4 +153,14 @@ def markdown(result: dict) -> str:
         lines.append(f"| {r['policy']} | {r['budget']} | {r['turns']} | {r['tokens']} | {r['max_cache_tokens']} "
                      f"({r['bound']}) | {r['cache_bytes_last'] / 2**20:.1f} | {r['cache_mb_slope']:.3f} | "
                      f"{r['rss_mb_first']:.0f} → {r['rss_mb_last']:.0f} | {r['rss_mb_slope']:.2f} |")
+    runs = [r for r in result["results"]["runs"] if r.get("stored") or r.get("decode")]
+    if runs:
+        lines += ["", "| policy | SQLite bytes per turn (file at the end) | archive bytes per token (at the end) | "
+                  "token log MiB | decode ms/token at turns |", "| --- " * 5 + "|"]
+        for r in runs:
+            dec = ", ".join(f"{d['decode_ms_per_token']:.1f} @ {d['turn']}" for d in r.get("decode", []))
+            disk = (f"{r['sqlite_bytes_per_turn']:,.0f} ({r['sqlite_bytes'] / 2**20:.1f} MiB) | "
+                    f"{r['archive_bytes_per_token']:,.0f} ({r['archive_bytes'] / 2**30:.2f} GiB)"
+                    if r.get("stored") else "– | –")
+            lines.append(f"| {r['policy']} | {disk} | {r.get('token_log_bytes', 0) / 2**20:.1f} | {dec or '–'} |")
     return "\n".join(lines)
