@@ -1,7 +1,7 @@
 """Memory: a headless replay of ``--turns`` exchanges (FastChat dummy conversations, appended without generation)
 with cache bytes and the process's resident memory sampled after every turn. Once the cache has filled both
 should be flat: the slope of a least-squares line over the turns after the first eviction is reported in MB per
-1000 turns, and the RSS growth from the turn the cache filled to the end. The session keeps 20 bytes of token
+1000 turns, and the RSS from then (or from a tenth of the turns, if later) to the end. The session keeps 20 bytes of token
 metadata per token ever fed (README), which is the expected residual growth.
 
 With ``--store`` the replay is a stored conversation as a chat is (SQLite, the archive, the digests, every turn
@@ -115,8 +115,9 @@ def run(args, run: Run, cm) -> None:
         run.check(f"{p} cache bytes flat", abs(r["cache_mb_slope"]) < 0.01,
                   f"{r['cache_mb_slope']:.4f} MB per 1000 turns after the cache filled")
         if r["rss_mb_first"] is not None:
-            log(f"memory {p:10s} RSS {r['rss_mb_first']:.0f} -> {r['rss_mb_last']:.0f} MB from the cache filling "
-                f"(turn {r['first_filled_turn']}) to the end")
+            log(f"memory {p:10s} RSS {r['rss_mb_first']:.0f} -> {r['rss_mb_last']:.0f} MB from turn "
+                f"{max(r['first_filled_turn'], args.turns // 10)} (the cache filled at {r['first_filled_turn']}) "
+                "to the end")
 
 
 def plot(result: dict, plots, plt) -> list:
