@@ -70,23 +70,25 @@ def run(args, run: Run, cm) -> None:
     ids = cm.tokenizer(read_text(data, "pg19"), add_special_tokens=False)["input_ids"][: args.tokens]
     cases = recall_bench.make_cases(data, ["direct"], args.cases, 0)
     run.rows = {"variants": []}
-    store = Store(Path(tempfile.mkdtemp(prefix="kvchat-bench-headaware-")) / "recall.db")
-    for label, (params, groups) in variants(args.tau_local).items():
-        settings = Settings(policy="headaware", budget=args.budget, params=params, groups=groups)
-        row = ppl_bench.stream(cm, ids, settings, args.chunk, inspect=inspect)
-        rec = recall_bench.cell(cm, Settings(policy="headaware", budget=args.recall_budget, params=params,
-                                             groups=groups), cases, 256, 16, store)[0]
-        counts = Counter(c for layer in row["classes"] for c in layer)
-        run.rows["variants"].append({"label": label, "params": params, "groups": groups, "ppl": row["ppl"],
-                                     "recall": rec, "class_counts": dict(counts), **{k: row[k] for k in (
-                                         "classes", "kept", "memory_bound_bytes", "kv_bytes", "uniform_kv_bytes",
-                                         "per_class", "cache_bytes")}})
-        log(f"headaware {label:50s} PPL {row['ppl']:.3f}, recall NLL {rec['mean_nll']:.3f} "
-            f"({rec['probe_hits']}/{rec['cases']}), classes {dict(counts)}")
-        run.check(f"memory bound ({label})",
-                  row["kv_bytes"] <= row["uniform_kv_bytes"] and row["memory_bound_bytes"] <= row["kv_bytes"],
-                  f"always-kept bound {row['memory_bound_bytes']} <= allocated {row['kv_bytes']} <= uniform "
-                  f"{row['uniform_kv_bytes']} bytes")
+    with tempfile.TemporaryDirectory(prefix="kvchat-bench-headaware-") as tmp:
+        store = Store(Path(tmp) / "recall.db")
+        for label, (params, groups) in variants(args.tau_local).items():
+            settings = Settings(policy="headaware", budget=args.budget, params=params, groups=groups)
+            row = ppl_bench.stream(cm, ids, settings, args.chunk, inspect=inspect)
+            rec = recall_bench.cell(cm, Settings(policy="headaware", budget=args.recall_budget, params=params,
+                                                 groups=groups), cases, 256, 16, store)[0]
+            counts = Counter(c for layer in row["classes"] for c in layer)
+            run.rows["variants"].append({"label": label, "params": params, "groups": groups, "ppl": row["ppl"],
+                                         "recall": rec, "class_counts": dict(counts), **{k: row[k] for k in (
+                                             "classes", "kept", "memory_bound_bytes", "kv_bytes", "uniform_kv_bytes",
+                                             "per_class", "cache_bytes")}})
+            log(f"headaware {label:50s} PPL {row['ppl']:.3f}, recall NLL {rec['mean_nll']:.3f} "
+                f"({rec['probe_hits']}/{rec['cases']}), classes {dict(counts)}")
+            run.check(f"memory bound ({label})",
+                      row["kv_bytes"] <= row["uniform_kv_bytes"] and row["memory_bound_bytes"] <= row["kv_bytes"],
+                      f"always-kept bound {row['memory_bound_bytes']} <= allocated {row['kv_bytes']} <= uniform "
+                      f"{row['uniform_kv_bytes']} bytes")
+        store.close()
     budgets_ok = all(sum(k) == len(k) * args.budget for v in run.rows["variants"] for k in v["kept"])
     run.check("per-head budgets sum to the uniform total", budgets_ok,
               f"every layer's head budgets sum to heads x {args.budget}")
