@@ -2,7 +2,7 @@
 
 A decode step reads every weight of the model once, for one token: it is bound by memory, and on the CPU it runs on
 PyTorch's matrix-vector kernels. Measured on this project's machine (README, Speed), an fp16 weight matrix times one
-token's vector runs 3-4x faster than fp32 (half the bytes and a better kernel); for a read of many tokens fp16 is
+token's vector runs about 4x faster than fp32 (half the bytes and a better kernel); for a read of many tokens fp16 is
 several times slower than fp32, and bf16 activations there turn near-ties of greedy answers (the default model
 answered "What is the capital of France?" with French gibberish). ``half`` therefore keeps the loaded weight for
 reads of several tokens (prefill is exactly what it was) and adds an fp16 copy that one-token steps use, casting
