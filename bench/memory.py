@@ -1,13 +1,17 @@
 """Memory: a headless replay of ``--turns`` exchanges (FastChat dummy conversations, appended without generation)
 with cache bytes and the process's resident memory sampled after every turn. Once the cache has filled both
 should be flat: the slope of a least-squares line over the turns after the first eviction is reported in MB per
-1000 turns, and the RSS from then (or from a tenth of the turns, if later) to the end. The session keeps 20 bytes of token
-metadata per token ever fed (README), which is the expected residual growth.
+1000 turns, and the RSS from then (or from a tenth of the turns, if later) to the end. The session keeps 4 bytes of token
+metadata per token ever fed (its id; role, turn, message and sentence as runs), the expected residual growth.
 
 With ``--store`` the replay is a stored conversation as a chat is (SQLite, the archive, the digests, every turn
 committed), and the database's and the archive's bytes are sampled too. At the turns ``--decode-at`` (and the last)
-a reply of ``--decode-steps`` greedy tokens is generated as part of the chat and its decode ms/token (the median
-step) recorded: the soak of a long chat (``--turns 10000 --policies streaming h2o --store``).
+``--decode-repeats`` replies of ``--decode-steps`` greedy tokens are generated as part of the chat, and each one's
+decode ms/token (the median step) recorded, the least of them kept. Between them the same reply is timed on a short
+reference chat (same settings, its cache just as full, in the same process): what the machine's own speed does
+between two measurement points (a shared CPU's load, its clock) shows there, and the long chat's ratio to the
+reference at each point is what its length costs. The soak of a long chat: ``--turns 10000 --store``, once per policy
+(``--policies streaming h2o``).
 """
 
 from __future__ import annotations
@@ -19,13 +23,13 @@ from pathlib import Path
 
 from ..core.session import Session, rss_mb
 from ..core.settings import Settings
-from ..core.tokens import TokenLog
 from ..storage.db import Store
 from .common import Run, data_dir, fastchat_pairs, log, read_text, save_figure
 
 NAME = "memory"
 TITLE = "Memory"
-QUICK = {"turns": 60, "budget": 256, "decode_at": [20], "decode_steps": 4}
+QUICK = {"turns": 60, "budget": 256, "decode_at": [20], "decode_steps": 4, "decode_repeats": 1}
+REFERENCE_TURNS = 40  # exchanges fed to the reference chat (more than fill a cache of budget 1024)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-at", type=int, nargs="+", default=[100],
                    help="turns (and the last) at which a reply's decode ms/token is measured")
     p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--decode-repeats", type=int, default=3,
+                   help="replies timed at each --decode-at turn, alternating with a short reference chat's")
     p.add_argument("--data", default=None, help="the shared data directory (default ../shared/data)")
 
 
@@ -60,16 +66,25 @@ def replay(cm, settings: Settings, pairs: list[tuple[str, str]], turns: int, arg
     from .speed import timed_turn
 
     gc.collect()
+    reference = Session(cm, settings)
+    for t in range(REFERENCE_TURNS):
+        reference.exchange(*pairs[t % len(pairs)])
     store = Store(folder / f"{settings.policy}.db") if folder is not None else None
     session = Session(cm, settings, store=store)
     samples, filled, decode = [], None, []
     at = {t for t in args.decode_at if t < turns} | {turns}
     for t in range(1, turns + 1):
         if t in at:
-            m = timed_turn(session, prompt, args.decode_steps)
-            decode.append({"turn": t, "decode_ms_per_token": m["decode_ms_per_token"],
-                           "cache_tokens": m["cache_tokens"]})
-            log(f"memory {settings.policy:10s} turn {t}: decode {m['decode_ms_per_token']:.1f} ms/token")
+            long, ref = [], []
+            for _ in range(args.decode_repeats):
+                long.append(timed_turn(session, prompt, args.decode_steps))
+                ref.append(timed_turn(reference, prompt, args.decode_steps)["decode_ms_per_token"])
+            m = min(long, key=lambda r: r["decode_ms_per_token"])
+            decode.append({"turn": t, "decode_ms_per_token": m["decode_ms_per_token"], "cache_tokens": m["cache_tokens"],
+                           "all_ms_per_token": [r["decode_ms_per_token"] for r in long],
+                           "reference_ms_per_token": min(ref), "reference_all": ref})
+            log(f"memory {settings.policy:10s} turn {t}: decode {m['decode_ms_per_token']:.1f} ms/token (reference "
+                f"chat {min(ref):.1f})")
         else:
             session.exchange(*pairs[(t - 1) % len(pairs)])
         if filled is None and session.evicted_total:
@@ -83,9 +98,14 @@ def replay(cm, settings: Settings, pairs: list[tuple[str, str]], turns: int, arg
            "cache_bytes_last": samples[-1][1], "cache_mb_slope": slope_per_1000(xs, [s[1] / 2**20 for s in after]),
            "rss_mb_first": after[0][2] if after else None, "rss_mb_last": samples[-1][2],
            "rss_mb_slope": slope_per_1000(xs, [s[2] for s in after]),
-           "token_log_bytes": session.total_tokens * 4 * len(TokenLog.COLUMNS), "decode": decode,
+           "token_log_bytes": session.log.nbytes, "decode": decode,
            "stored": store is not None,
            "samples": [[s[0], round(s[1] / 2**20, 3), round(s[2], 1), s[4], s[5]] for s in samples]}
+    if len(decode) > 1:
+        first, last = decode[0], decode[-1]
+        out["decode_ratio"] = last["decode_ms_per_token"] / first["decode_ms_per_token"]
+        out["decode_ratio_to_reference"] = ((last["decode_ms_per_token"] / last["reference_ms_per_token"])
+                                            / (first["decode_ms_per_token"] / first["reference_ms_per_token"]))
     if store is not None:
         out.update(sqlite_bytes=samples[-1][4], archive_bytes=samples[-1][5],
                    sqlite_bytes_per_turn=samples[-1][4] / turns, archive_bytes_per_token=samples[-1][5] / max(
@@ -118,6 +138,16 @@ def run(args, run: Run, cm) -> None:
             log(f"memory {p:10s} RSS {r['rss_mb_first']:.0f} -> {r['rss_mb_last']:.0f} MB from turn "
                 f"{max(r['first_filled_turn'], args.turns // 10)} (the cache filled at {r['first_filled_turn']}) "
                 "to the end")
+            run.check(f"{p} RSS growth under 50 MB", r["rss_mb_last"] - r["rss_mb_first"] < 50,
+                      f"{r['rss_mb_last'] - r['rss_mb_first']:+.1f} MB from the cache filling to the end")
+        if "decode_ratio" in r and not args.quick:
+            d0, d1 = r["decode"][0], r["decode"][-1]
+            run.check(f"{p} decode at turn {d1['turn']} within 1.1x of turn {d0['turn']}",
+                      r["decode_ratio"] <= 1.1 or r["decode_ratio_to_reference"] <= 1.1,
+                      f"{d0['decode_ms_per_token']:.1f} -> {d1['decode_ms_per_token']:.1f} ms/token "
+                      f"({r['decode_ratio']:.2f}x); against the reference chat timed beside each "
+                      f"({d0['reference_ms_per_token']:.1f}, {d1['reference_ms_per_token']:.1f} ms/token): "
+                      f"{r['decode_ratio_to_reference']:.2f}x")
 
 
 def plot(result: dict, plots, plt) -> list:
@@ -157,9 +187,11 @@ def markdown(result: dict) -> str:
     runs = [r for r in result["results"]["runs"] if r.get("stored") or r.get("decode")]
     if runs:
         lines += ["", "| policy | SQLite bytes per turn (file at the end) | archive bytes per token (at the end) | "
-                  "token log MiB | decode ms/token at turns |", "| --- " * 5 + "|"]
+                  "token log MiB | decode ms/token at turns (a short chat's beside it) |", "| --- " * 5 + "|"]
         for r in runs:
-            dec = ", ".join(f"{d['decode_ms_per_token']:.1f} @ {d['turn']}" for d in r.get("decode", []))
+            dec = ", ".join(f"{d['decode_ms_per_token']:.1f} @ {d['turn']}"
+                            + (f" (reference {d['reference_ms_per_token']:.1f})" if "reference_ms_per_token" in d else "")
+                            for d in r.get("decode", []))
             disk = (f"{r['sqlite_bytes_per_turn']:,.0f} ({r['sqlite_bytes'] / 2**20:.1f} MiB) | "
                     f"{r['archive_bytes_per_token']:,.0f} ({r['archive_bytes'] / 2**30:.2f} GiB)"
                     if r.get("stored") else "– | –")

@@ -144,8 +144,8 @@ def group_ids(session, positions: torch.Tensor) -> torch.Tensor | None:
     mode = session.settings.groups
     if mode == "token":
         return None
-    column = session.log.column("sentence" if mode == "sentence" else "message")
-    ids = column[positions.clamp(min=0).cpu()].to(positions.device).long()
+    ids = session.log.at("sentence" if mode == "sentence" else "message", positions.clamp(min=0).cpu())
+    ids = ids.to(positions.device).long()
     return ids.masked_fill(positions < 0, -1)
 
 

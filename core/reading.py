@@ -17,8 +17,8 @@ class SessionReads:
     def read_messages(self, in_progress: bool = True) -> list[dict]:
         """The messages ({"role", "content", "tokens"}: tokens as the template rendered them); without
         ``in_progress``, a reply being generated is left out."""
-        column = self.log.column("message").long()
-        counts = torch.bincount(column, minlength=len(self.messages)).tolist() if column.numel() else []
+        ids, lengths = self.log.runs("message")
+        counts = torch.bincount(ids.long(), lengths, minlength=len(self.messages)).long().tolist() if ids.numel() else []
         out = [{**m, "tokens": counts[i] if i < len(counts) else 0} for i, m in enumerate(self.messages)]
         if not in_progress and self._streaming is not None:
             del out[self._streaming:]
@@ -33,9 +33,9 @@ class SessionReads:
         for res in self.history:
             for a, b in res.recalled or []:
                 recalled[a:b] = True
-        return {"start": start, "token": self.log.column("token")[start:].tolist(),
-                "role": [ROLES[r] for r in self.log.column("role")[start:].tolist()],
-                "message": self.log.column("message")[start:].tolist(),
+        return {"start": start, "token": self.log.column("token", start).tolist(),
+                "role": [ROLES[r] for r in self.log.column("role", start).tolist()],
+                "message": self.log.column("message", start).tolist(),
                 "held": self.held_fraction()[start:].tolist(), "recalled": recalled[start:].tolist()}
 
     @locked
@@ -62,7 +62,7 @@ class SessionReads:
     @locked
     def group_count(self) -> int:
         """Sentence groups fed so far (the unit recall brings back)."""
-        return int(torch.unique(self.log.column("sentence")).numel())
+        return int(torch.unique(self.log.runs("sentence")[0]).numel())
 
     @locked
     def layer_lengths(self) -> list[float]:

@@ -83,19 +83,21 @@ class Digests:
                 with open(self.folder / name, "r+b") as f:
                     f.truncate(count * size)
 
-    def add(self, archive, sentence: torch.Tensor, n: int, rotary) -> int:
-        """Digest the groups of positions ``covered .. n`` (whole groups: ``n`` ends one); returns how many. A long
-        stretch (a conversation from before digests, reopened) goes a block of whole groups at a time."""
+    def add(self, archive, sentence: torch.Tensor, n: int, rotary, start: int = 0) -> int:
+        """Digest the groups of positions ``covered .. n`` (whole groups: ``n`` ends one; ``sentence``: the sentence
+        id of each position from ``start`` on); returns how many. A long stretch (a conversation from before
+        digests, reopened) goes a block of whole groups at a time."""
         if n <= self.covered or archive.layout is None:
             return 0
         done = 0
         while n - self.covered > BLOCK:
-            ids = sentence[self.covered: self.covered + BLOCK + 1]
+            ids = sentence[self.covered - start: self.covered - start + BLOCK + 1]
             cut = int((ids[1:] != ids[:-1]).nonzero().max()) + 1 if (ids[1:] != ids[:-1]).any() else BLOCK
-            done += self._add(archive, sentence, self.covered + cut, rotary)
-        return done + self._add(archive, sentence, n, rotary)
+            done += self._add(archive, sentence[self.covered - start:], self.covered + cut, rotary)
+        return done + self._add(archive, sentence[self.covered - start:], n, rotary)
 
     def _add(self, archive, sentence: torch.Tensor, n: int, rotary) -> int:
+        """Digest positions ``covered .. n`` (``sentence``: their ids, from ``covered`` on)."""
         heads, kdim = archive.layout[0], archive.layout[1]
         if self.layout is None:
             from .archive import fsync_dir
@@ -104,7 +106,7 @@ class Digests:
             self.layout = (heads, kdim)
             (self.folder / "digest.txt").write_text(" ".join(map(str, [heads, kdim, *self.layers])) + "\n")
             fsync_dir(self.folder)
-        _, counts = torch.unique_consecutive(sentence[self.covered: n], return_counts=True)
+        _, counts = torch.unique_consecutive(sentence[: n - self.covered], return_counts=True)
         ends = self.covered + torch.cumsum(counts, 0)
         starts = ends - counts
         positions = torch.arange(self.covered, n)[None].expand(heads, -1)

@@ -291,7 +291,9 @@ class Session(Feeding, Generation, SessionReads):
         res.warnings = list(self._warnings)
         self.recall_guard = self.recall_guard[:0]
         if self.archive is not None:
-            self.archive.digests.add(self.archive, self.log.column("sentence"), self.log.n, self.model.rotary)
+            covered = self.archive.digests.covered
+            self.archive.digests.add(self.archive, self.log.column("sentence", covered), self.log.n,
+                                     self.model.rotary, start=covered)
         self.history.append(res)
         record = persist.turn_record(self, res, messages)
         self.turn += 1

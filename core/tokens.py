@@ -62,8 +62,68 @@ class Detokenizer:
         return delta
 
 
+class _Grown:
+    """A 1-D tensor appended to in place (its storage grown by doubling)."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.n = 0
+        self._data = torch.zeros(256, dtype=dtype)
+
+    def extend(self, values: torch.Tensor) -> None:
+        m = values.numel()
+        if self.n + m > self._data.numel():
+            grown = torch.zeros(max(2 * self._data.numel(), self.n + m), dtype=self._data.dtype)
+            grown[: self.n] = self._data[: self.n]
+            self._data = grown
+        self._data[self.n: self.n + m] = values
+        self.n += m
+
+    def cut(self, n: int) -> None:
+        self.n = min(self.n, n)
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self._data[: self.n]
+
+    @property
+    def nbytes(self) -> int:
+        return self._data.numel() * self._data.element_size()
+
+
+class _Runs:
+    """A per-position column kept as runs of equal values: the position each run starts at, and its value. The role,
+    turn and message of a token change once per message and its sentence once per sentence, so a run costs a few
+    bytes per message or sentence instead of four per token."""
+
+    def __init__(self):
+        self.starts, self.ids = _Grown(torch.int64), _Grown(torch.int32)
+
+    def extend(self, first: int, values: torch.Tensor) -> None:
+        vals, counts = torch.unique_consecutive(values, return_counts=True)
+        starts = first + torch.cumsum(counts, 0) - counts
+        if self.ids.n and int(self.ids.values[-1]) == int(vals[0]):  # continues the last run
+            vals, starts = vals[1:], starts[1:]
+        self.starts.extend(starts)
+        self.ids.extend(vals.to(torch.int32))
+
+    def cut(self, n: int) -> None:
+        """Forget positions ``n`` and later."""
+        keep = int(torch.searchsorted(self.starts.values, torch.tensor(n, dtype=torch.int64)))
+        self.starts.cut(keep)
+        self.ids.cut(keep)
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        run = torch.searchsorted(self.starts.values, positions.to(torch.int64).contiguous(), right=True) - 1
+        return self.ids.values[run]
+
+    @property
+    def nbytes(self) -> int:
+        return self.starts.nbytes + self.ids.nbytes
+
+
 class TokenLog:
-    """Metadata of every token fed to the model, indexed by absolute position (int32 columns, grown by doubling).
+    """Metadata of every token fed to the model, by absolute position: the token id (4 bytes a token, the only
+    per-token cost), and its role, turn, message and sentence (kept as runs, a few bytes per message and sentence).
 
     ``sentence`` is the state of sentence numbering: (last sentence id, whether the next token opens a new one)."""
 
@@ -72,17 +132,16 @@ class TokenLog:
     def __init__(self):
         self.n = 0
         self.sentence = (0, True)
-        self._data = torch.zeros(len(self.COLUMNS), 1024, dtype=torch.int32)
+        self._tokens = _Grown(torch.int32)
+        self._runs = {name: _Runs() for name in self.COLUMNS[1:]}
 
     def append(self, rows: dict[str, list[int]]) -> torch.Tensor:
         """Append rows (one list per column); returns their absolute positions."""
         m = len(rows["token"])
-        if self.n + m > self._data.shape[1]:
-            grown = torch.zeros(len(self.COLUMNS), max(2 * self._data.shape[1], self.n + m), dtype=torch.int32)
-            grown[:, : self.n] = self._data[:, : self.n]
-            self._data = grown
-        for i, name in enumerate(self.COLUMNS):
-            self._data[i, self.n : self.n + m] = torch.tensor(rows[name], dtype=torch.int32)
+        if m:
+            self._tokens.extend(torch.tensor(rows["token"], dtype=torch.int32))
+            for name, runs in self._runs.items():
+                runs.extend(self.n, torch.tensor(rows[name], dtype=torch.int32))
         positions = torch.arange(self.n, self.n + m)
         self.n += m
         return positions
@@ -107,6 +166,30 @@ class TokenLog:
     def truncate(self, n: int, sentence: tuple[int, bool]) -> None:
         """Forget every position from ``n`` on (undo), restoring the sentence state as it was at ``n``."""
         self.n, self.sentence = n, sentence
+        self._tokens.cut(n)
+        for runs in self._runs.values():
+            runs.cut(n)
 
-    def column(self, name: str) -> torch.Tensor:
-        return self._data[self.COLUMNS.index(name), : self.n]
+    def column(self, name: str, start: int = 0) -> torch.Tensor:
+        """Column ``name`` for positions ``start`` to the end (int32; the token column is a view, the others are
+        built on each call)."""
+        if name == "token":
+            return self._tokens.values[start:]
+        return self.at(name, torch.arange(min(start, self.n), self.n))
+
+    def at(self, name: str, positions: torch.Tensor) -> torch.Tensor:
+        """Column ``name`` at ``positions`` (any shape, each in 0 .. n-1)."""
+        if name == "token":
+            return self._tokens.values[positions]
+        return self._runs[name].at(positions.reshape(-1)).view(positions.shape)
+
+    def runs(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Column ``name`` (not the token column) as runs: the value of each run and its length in positions."""
+        runs = self._runs[name]
+        starts = runs.starts.values
+        return runs.ids.values, torch.diff(starts, append=torch.tensor([self.n], dtype=starts.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the log holds."""
+        return self._tokens.nbytes + sum(runs.nbytes for runs in self._runs.values())
