@@ -28,9 +28,11 @@ import random
 import statistics
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
+from ..core import recall as recall_engine
 from ..core.recall import QUERY_ROWS, REPS, choose, coarse_index, relevance, scoring_layers
 from ..core.session import Sampling, Session
 from ..core.settings import Settings
@@ -147,13 +149,23 @@ def run_case(cm, settings: Settings, case: dict, after: int, max_new_tokens: int
     fact_end = session.total_tokens
     while session.total_tokens - fact_end < after or session.total_tokens < settings.budget + 64:
         session.exchange(*next(filler))
-    reply = session.chat(case["ask"])
+    scoring, engine_plan = [], recall_engine.plan  # the question's scoring and choice alone (recall_ms adds the
+    # put-back)
+
+    def plan(*args, **kwargs):
+        found = engine_plan(*args, **kwargs)
+        scoring.append(found["recall_ms"])
+        return found
+
+    with mock.patch.object(recall_engine, "plan", plan):
+        reply = session.chat(case["ask"])
     session.undo()
     probe = session.probe(case["ask"], case["reference"], case["expect"])
     out = {"generated_hit": case["expect"].lower() in reply.answer.lower(), "answer": reply.answer,
            "probe_hit": bool(probe.hit), "nll": probe.expect_nll, "history": session.total_tokens - probe.prompt_tokens,
            "evicted": session.evicted_total, "ttft_ms": reply.prefill_ms, "recall_ms": reply.recall_ms,
-           "recalled_tokens": reply.recalled_tokens, "archive_tokens": session.archive.n if session.archive else 0}
+           "recalled_tokens": reply.recalled_tokens, "archive_tokens": session.archive.n if session.archive else 0,
+           "putback_ms": reply.recall_ms - scoring[0] if reply.recalled_tokens else None}
     session.close()
     if session.conversation_id is not None:
         store.delete(session.conversation_id)
@@ -171,6 +183,7 @@ def cell(cm, settings: Settings, cases: list[dict], after: int, max_new_tokens: 
                "mean_nll": statistics.mean(r["nll"] for r in res), "evicted": [r["evicted"] for r in res],
                "ttft_ms": statistics.mean(r["ttft_ms"] for r in res), "recall_ms": statistics.mean(ms) if ms else None,
                "recalled_tokens": statistics.mean(r["recalled_tokens"] for r in res),
+               "putback_ms": [r["putback_ms"] for r in res if r["putback_ms"] is not None],
                "history": statistics.mean(r["history"] for r in res), "answers": [r["answer"] for r in res]}
         log(f"recall {settings.policy:10s} budget {row['budget'] or '-':>5} recall {settings.recall:3s} {kind:10s}: "
             f"generated {row['generated_hits']}/{len(res)}, probe {row['probe_hits']}/{len(res)}, "
@@ -269,6 +282,12 @@ def run(args, run: Run, cm) -> None:
                   f"mean fact NLL with recall on {on:.2f} < recall off {off:.2f} (same cases, same policies)")
     if measured:
         log(f"recall: {statistics.mean(c['recall_ms'] for c in measured):.0f} ms per question on average")
+    total = per_message(run.rows)
+    if total and not args.quick:
+        run.check("recall within 50 ms per message at 100K archived tokens", total["ms"] <= 50,
+                  f"{total['ms']:.1f} ms at {total['archive_tokens']:,} archived tokens (scoring "
+                  f"{total['ms'] - total['putback_mean']:.1f} + put-back {total['putback_mean']:.1f}) for a 20-token "
+                  "message" + (f", {total['ms_long']:.1f} ms for a long one" if "ms_long" in total else ""))
 
 
 def plot(result: dict, plots, plt) -> list:
@@ -336,4 +355,29 @@ def markdown(result: dict) -> str:
             long = f"{r['ms_long']:.1f}" if "ms_long" in r else "–"
             lines.append(f"| {r['archive_tokens']:,} | {r['groups']:,} | {r['digest_mb']:.1f} | {r['ms']:.1f} | "
                          f"{long} |")
+        total = per_message(res)
+        if total:
+            lines += ["", f"Putting the chosen groups back (the message's first read undone, the groups read from the "
+                          f"archive and rotated into every layer and head) took {total['putback_mean']:.1f} ms on "
+                          f"average, {total['putback_max']:.1f} at most, over the {total['recalls']} questions above "
+                          f"that recalled something; it reads only the kept and recalled positions, whatever the "
+                          f"archive's size. Recall per user message at {total['archive_tokens']:,} archived tokens, "
+                          f"scoring plus the average put-back: {total['ms']:.1f} ms for a 20-token message"
+                          + (f", {total['ms_long']:.1f} ms for a long one." if total.get("ms_long") else ".")
+                          + " The message is then read again after the recalled text (its prefill, not counted here)."]
     return "\n".join(lines)
+
+
+def per_message(res: dict) -> dict | None:
+    """Recall's cost per user message at the largest archive measured: the scoring there plus the mean put-back
+    measured in the cells (None without both)."""
+    putback = [ms for c in res.get("cells", []) for ms in c.get("putback_ms", [])]
+    if not putback or not res.get("scoring"):
+        return None
+    big = max(res["scoring"], key=lambda r: r["archive_tokens"])
+    mean = statistics.mean(putback)
+    out = {"archive_tokens": big["archive_tokens"], "recalls": len(putback), "putback_mean": mean,
+           "putback_max": max(putback), "ms": big["ms"] + mean}
+    if "ms_long" in big:
+        out["ms_long"] = big["ms_long"] + mean
+    return out

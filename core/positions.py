@@ -30,17 +30,13 @@ _INTERLEAVED_ROPE = {"gptj", "cohere", "cohere2", "glm", "chatglm", "codegen"}
 _LENGTH_DEPENDENT_ROPE = {"dynamic", "longrope"}
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Rotary:
     """Moves RoPE keys from one position to another with the model's frequencies."""
 
     def __init__(self, inv_freq: torch.Tensor):
         self.inv_freq = inv_freq.detach().float().clone()
         self.rotary_dim = 2 * self.inv_freq.numel()
+        self._last: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (delta, cos, sin) of the last call
 
     @classmethod
     def from_model(cls, model) -> "Rotary | None":
@@ -68,15 +64,28 @@ class Rotary:
 
     def rotate(self, keys: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """Rotate ``keys`` [..., n, head_dim] by ``delta`` positions ([n] or broadcastable to keys[..., n])."""
-        rd = self.rotary_dim
-        freqs = delta.to(keys.device, torch.float32)[..., None] * self.inv_freq.to(keys.device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        k_rot = keys[..., :rd].float()
-        rotated = (k_rot * cos + _rotate_half(k_rot) * sin).to(keys.dtype)
+        rd, half = self.rotary_dim, self.rotary_dim // 2
+        cos, sin = self._trig(delta.to(keys.device))
+        k = keys[..., :rd].float()
+        x1, x2 = k[..., :half], k[..., half:]
+        # the half-rotation as the model applies it: k * cat(cos, cos) + cat(-x2, x1) * cat(sin, sin)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(keys.dtype)
         if rd == keys.shape[-1]:
             return rotated
         return torch.cat((rotated, keys[..., rd:]), dim=-1)
+
+    def _trig(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of ``delta`` times each frequency. A compression rotates every layer's keys by the same
+        deltas when the layers keep the same positions (``streaming``, ``window``, recall's put-back): the last
+        call's are reused when ``delta`` is equal, which leaves the result bit for bit the same."""
+        last = self._last  # one read: sessions in other threads may replace it
+        if last is not None and last[0].shape == delta.shape and last[0].device == delta.device and \
+                last[0].dtype == delta.dtype and torch.equal(last[0], delta):
+            return last[1], last[2]
+        freqs = delta.to(torch.float32)[..., None] * self.inv_freq.to(delta.device)
+        cos, sin = freqs.cos(), freqs.sin()
+        self._last = (delta.clone(), cos, sin)
+        return cos, sin
 
 
 def convert_positions(cache, rotary: Rotary | None, new: str) -> None:

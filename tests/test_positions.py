@@ -51,6 +51,24 @@ def test_rotation_composes_and_inverts():
     torch.testing.assert_close(rotary.rotate(there, -torch.tensor([3, 1, 4, 1, 5])), keys, atol=1e-5, rtol=1e-5)
 
 
+def test_reused_trig_gives_the_result_of_a_fresh_rotation():
+    """A rotation by the deltas of the call before reuses their cos/sin; any other deltas are computed anew."""
+    inv = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+    warm = Rotary(inv)
+    keys = torch.randn(3, 6, 8)
+    deltas = [torch.tensor([[3, 1, 4, 1, 5, 9]] * 3), torch.tensor([[3, 1, 4, 1, 5, 9]] * 3),
+              torch.tensor([[3, 1, 4, 1, 5, 8]] * 3), torch.tensor([3, 1, 4, 1, 5, 8]), torch.tensor(7),
+              torch.tensor([[3, 1, 4, 1, 5, 8]] * 3)]
+    for delta in deltas:
+        got = warm.rotate(keys, delta)
+        assert torch.equal(got, Rotary(inv).rotate(keys, delta))
+    # and the half-rotation is the model's own: k * cos + rotate_half(k) * sin
+    angle = 7 * inv
+    cos, sin = torch.cat([angle.cos()] * 2), torch.cat([angle.sin()] * 2)
+    want = keys * cos + torch.cat([-keys[..., 4:], keys[..., :4]], -1) * sin
+    assert torch.equal(warm.rotate(keys, torch.tensor(7)), want)
+
+
 def test_models_without_rope_need_no_rotation(tokenizer):
     assert Rotary.from_model(build_tiny("gpt2", tokenizer)) is None
 
