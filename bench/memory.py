@@ -99,7 +99,7 @@ def replay(cm, settings: Settings, pairs: list[tuple[str, str]], turns: int, arg
            "rss_mb_first": after[0][2] if after else None, "rss_mb_last": samples[-1][2],
            "rss_mb_filled": samples[filled - 1][2] if filled is not None else None,
            "rss_mb_slope": slope_per_1000(xs, [s[2] for s in after]),
-           "token_log_bytes": session.log.nbytes, "decode": decode,
+           "token_log_bytes": session.stats()["token_log_bytes"], "decode": decode,
            "stored": store is not None,
            "samples": [[s[0], round(s[1] / 2**20, 3), round(s[2], 1), s[4], s[5]] for s in samples]}
     if len(decode) > 1:

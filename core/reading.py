@@ -85,7 +85,8 @@ class SessionReads:
         s = self.settings
         return {
             "policy": s.policy, "params": dict(self.policy.values), "settings": s.as_dict(), "turns": self.turn,
-            "total_tokens": self.log.n, "cache_tokens": self.cache.length, "cache_bytes": self.cache.nbytes,
+            "total_tokens": self.log.n, "token_log_bytes": self.log.nbytes, "cache_tokens": self.cache.length,
+            "cache_bytes": self.cache.nbytes,
             "capacity": s.capacity if self.policy.bounded else None, "evicted_tokens": self.evictions.total,
             "max_positions": self.model.max_positions, "peak_rss_mb": peak_rss_mb(),
             "observer_bytes": self.observer.nbytes if self.observer is not None else 0,
