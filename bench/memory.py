@@ -1,8 +1,9 @@
 """Memory: a headless replay of ``--turns`` exchanges (FastChat dummy conversations, appended without generation)
 with cache bytes and the process's resident memory sampled after every turn. Once the cache has filled both
-should be flat: the slope of a least-squares line over the turns after the first eviction is reported in MB per
-1000 turns, and the RSS from then (or from a tenth of the turns, if later) to the end. The session keeps 4 bytes of token
-metadata per token ever fed (its id; role, turn, message and sentence as runs), the expected residual growth.
+should be flat: the slope of a least-squares line over the turns after the first eviction (or after a tenth of the
+turns, if later) is reported in MB per 1000 turns, and the RSS growth from the turn the cache filled to the end is
+checked (under 50 MB). The session keeps 4 bytes of token metadata per token ever fed (its id; role, turn, message
+and sentence as runs), the expected residual growth.
 
 With ``--store`` the replay is a stored conversation as a chat is (SQLite, the archive, the digests, every turn
 committed), and the database's and the archive's bytes are sampled too. At the turns ``--decode-at`` (and the last)

@@ -97,20 +97,25 @@ class _Runs:
 
     def __init__(self):
         self.starts, self.ids = _Grown(torch.int64), _Grown(torch.int32)
+        self.last: int | None = None  # the last run's value (None when there is none)
 
-    def extend(self, first: int, values: torch.Tensor) -> None:
-        vals, counts = torch.unique_consecutive(values, return_counts=True)
+    def extend(self, first: int, values: list[int]) -> None:
+        if values[0] == values[-1] == self.last and (len(values) == 1 or min(values) == max(values)):
+            return  # the last run goes on (a reply decoded token by token): nothing to record
+        vals, counts = torch.unique_consecutive(torch.tensor(values, dtype=torch.int32), return_counts=True)
         starts = first + torch.cumsum(counts, 0) - counts
-        if self.ids.n and int(self.ids.values[-1]) == int(vals[0]):  # continues the last run
+        if int(vals[0]) == self.last:  # continues the last run
             vals, starts = vals[1:], starts[1:]
         self.starts.extend(starts)
-        self.ids.extend(vals.to(torch.int32))
+        self.ids.extend(vals)
+        self.last = values[-1]
 
     def cut(self, n: int) -> None:
         """Forget positions ``n`` and later."""
         keep = int(torch.searchsorted(self.starts.values, torch.tensor(n, dtype=torch.int64)))
         self.starts.cut(keep)
         self.ids.cut(keep)
+        self.last = int(self.ids.values[-1]) if keep else None
 
     def at(self, positions: torch.Tensor) -> torch.Tensor:
         run = torch.searchsorted(self.starts.values, positions.to(torch.int64).contiguous(), right=True) - 1
@@ -141,7 +146,7 @@ class TokenLog:
         if m:
             self._tokens.extend(torch.tensor(rows["token"], dtype=torch.int32))
             for name, runs in self._runs.items():
-                runs.extend(self.n, torch.tensor(rows[name], dtype=torch.int32))
+                runs.extend(self.n, rows[name])
         positions = torch.arange(self.n, self.n + m)
         self.n += m
         return positions
