@@ -224,8 +224,8 @@ def scoring_cost(cm, sizes: list[int], group_tokens: float, seed: int) -> list[d
         digests = torch.randn(groups, len(layers), heads, REPS, kdim, generator=gen).half()
         coarse = digests[:, coarse_index(layers), :, 0].permute(1, 2, 0, 3).contiguous()
         spans = torch.stack([torch.arange(groups), torch.arange(groups) + 1], 1) * round(group_tokens)
-        held = torch.zeros(int(spans[-1, 1]))
-        content = torch.ones(int(spans[-1, 1]), dtype=torch.bool)
+        held = torch.zeros(groups)
+        content = torch.ones(groups, dtype=torch.bool)
         row = {"archive_tokens": size, "groups": groups, "digest_mb": digests.numel() * 2 / 2**20}
         for key, n in (("ms", 20), ("ms_long", QUERY_ROWS)):
             queries = {li: torch.randn(qheads, n, kdim, generator=gen) for li in layers}
@@ -355,8 +355,9 @@ def markdown(result: dict) -> str:
                          f"{long} |")
         total = per_message(res)
         if total:
-            lines += ["", f"Putting the chosen groups back (the message's first read undone, the groups read from the "
-                          f"archive and rotated into every layer and head) took {total['putback_mean']:.1f} ms on "
+            lines += ["", f"Putting the chosen groups back (the session marked before the message's first read and "
+                          f"put back after it, the groups read from the archive and rotated into every layer and head, "
+                          f"all layers at once) took {total['putback_mean']:.1f} ms on "
                           f"average, {total['putback_max']:.1f} at most, over the {total['recalls']} questions above "
                           f"that recalled something; it reads only the kept and recalled positions, whatever the "
                           f"archive's size. Recall per user message at {total['archive_tokens']:,} archived tokens, "

@@ -36,8 +36,8 @@ class Archive:
         self.layout: tuple[int, int, int, torch.dtype] | None = None  # heads, key dim, value dim, dtype
         self._staged: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._files = None
-        self._map: np.memmap | None = None
-        self._pos_map: np.memmap | None = None
+        self._map: torch.Tensor | None = None  # the records, over a memory map (``_tensors``)
+        self._pos_map: torch.Tensor | None = None
         self.digests = Digests(self.folder, num_layers)  # what recall scores (core/recall.py)
         if (self.folder / "layout.txt").is_file():
             heads, kdim, vdim, dtype = (self.folder / "layout.txt").read_text().split()
@@ -117,33 +117,49 @@ class Archive:
         heads, kdim, vdim, dtype = self.layout
         return self.num_layers * heads * (kdim + vdim) * torch.empty(0, dtype=dtype).element_size()
 
-    def _maps(self):
+    def _tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The archive as tensors over its memory map: records [n, layers, heads, key dim + value dim] (the model's
+        dtype) and the positions they were computed at [n] (int32). Reads touch only the rows they index."""
         if self._map is None or self._map.shape[0] < self.n:
             if self._files is not None:
                 for f in self._files:
                     f.flush()
             heads, kdim, vdim, dtype = self.layout
-            self._map = np.memmap(self.folder / "kv.bin", dtype=_NUMPY[dtype], mode="r",
-                                  shape=(self.n, self.num_layers, heads, kdim + vdim))
-            self._pos_map = np.memmap(self.folder / "pos.bin", dtype=np.int32, mode="r", shape=(self.n,))
+            # copy-on-write maps: writable, so torch takes them without a copy; nothing ever writes to them
+            kv = np.memmap(self.folder / "kv.bin", dtype=_NUMPY[dtype], mode="c",
+                           shape=(self.n, self.num_layers, heads, kdim + vdim))
+            pos = np.memmap(self.folder / "pos.bin", dtype=np.int32, mode="c", shape=(self.n,))
+            self._map, self._pos_map = torch.from_numpy(kv), torch.from_numpy(pos)
+            if dtype == torch.bfloat16:
+                self._map = self._map.view(torch.bfloat16)
         return self._map, self._pos_map
+
+    def read(self, layers: list[int], positions: torch.Tensor, heads: list[int] | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For ``positions`` [len(layers), rows, n] (absolute; row r holds KV head ``heads[r]``'s, by default head
+        r): the archived keys and values [len(layers), rows, n, dim] of those layers and the positions they were
+        computed at [len(layers), rows, n]. One gather, whatever the number of layers."""
+        kv, pos = self._tensors()
+        n, num_layers, num_heads, dims = kv.shape
+        kdim = self.layout[1]
+        rows = positions.shape[1]
+        positions = positions.cpu().long()
+        layer = torch.as_tensor(layers, dtype=torch.long)[:, None, None]
+        head = (torch.arange(rows) if heads is None else torch.as_tensor(heads, dtype=torch.long))[None, :, None]
+        # one row index per (layer, head, position) into the records seen as [n * layers * heads, dims]: a gather
+        # of whole key (and value) vectors, not of single elements
+        flat = ((positions * num_layers + layer) * num_heads + head).reshape(-1)
+        table = kv.view(-1, dims)
+        keys = table[:, :kdim].index_select(0, flat).view(*positions.shape, kdim)
+        values = table[:, kdim:].index_select(0, flat).view(*positions.shape, dims - kdim)
+        return keys, values, pos[positions]
 
     def keys_values(self, layer: int, positions: torch.Tensor, heads: list[int] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For ``positions`` [rows, n] (absolute; row r holds KV head ``heads[r]``'s, by default head r): the
         archived keys and values [rows, n, dim] and the positions they were computed at [rows, n]."""
-        kv, pos = self._maps()
-        kdim, dtype = self.layout[1], self.layout[3]
-        rows, n = positions.shape
-        heads = list(range(rows)) if heads is None else heads
-        flat = positions.reshape(-1).cpu().numpy()
-        head = np.repeat(np.asarray(heads), n)
-        picked = torch.from_numpy(np.ascontiguousarray(kv[flat, layer, head]))  # [rows * n, k + v]
-        if dtype == torch.bfloat16:
-            picked = picked.view(torch.bfloat16)
-        picked = picked.view(rows, n, -1)
-        computed = torch.from_numpy(np.ascontiguousarray(pos[flat])).view(rows, n)
-        return picked[..., :kdim], picked[..., kdim:], computed
+        k, v, computed = self.read([layer], positions[None], heads)
+        return k[0], v[0], computed[0]
 
     def rotated_keys(self, layer: int, positions: torch.Tensor, target: torch.Tensor, rotary: Rotary | None,
                      heads: list[int] | None = None) -> torch.Tensor:

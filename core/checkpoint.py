@@ -4,6 +4,10 @@
 and what indexes it (observer queries, token log length, sentence numbering), the messages, the counters, the
 records not yet written, the policy's learned state and the sampling generator. A new piece of turn state gets a
 field here, or undo would not take it back.
+
+``ReadMark`` is the light form recall uses to forget its first read of a user message: when the message fits the
+free slots, reading it only appends (tokens, the statistics and observer window it adds to, the logits), so only
+that is marked and put back. A new piece of state that feeding a message changes gets a field there too.
 """
 
 from __future__ import annotations
@@ -79,3 +83,49 @@ class Checkpoint:
         session.title = self.title
         session.generator.set_state(self.generator)
         return removed
+
+
+@dataclass
+class ReadMark:
+    """The session before one message is read, when reading it can only append: the message fits every head's free
+    slots, so no compression (and no reallocation) runs while it is fed. ``restore`` forgets the read: each head's
+    length, the per-slot statistics the read added to, the observer's query window, the token log and the last
+    logits (the caller truncates the archive, as after ``Checkpoint.restore``). Recall reads a message for its
+    queries and forgets the read this way when it can; a ``Checkpoint`` copies the whole cache."""
+
+    lens: list[list[int]]
+    stats: list[dict[str, torch.Tensor]]
+    observer: tuple | None
+    log_n: int
+    sentence: tuple[int, bool]
+    last_logits: torch.Tensor | None
+
+    @classmethod
+    def capture(cls, session, tokens: int) -> "ReadMark | None":
+        """The mark before ``tokens`` tokens are read, or None when reading them could compress the cache."""
+        cache, observer = session.cache, session.observer
+        layers = cache.layers
+        if not session.policy.bounded or not all(layer.is_initialized for layer in layers) or tokens > cache.room:
+            return None
+        return cls(
+            lens=[list(layer.lens) for layer in layers],
+            stats=[{name: t.clone() for name, t in layer.stats.items()} for layer in layers],
+            # the observer replaces its window tensors rather than writing into them: references suffice
+            observer=(dict(observer._queries), dict(observer._qpos), dict(observer._count), dict(observer._scaling))
+            if observer is not None else None,
+            log_n=session.log.n, sentence=session.log.sentence, last_logits=session.last_logits,
+        )
+
+    def restore(self, session) -> None:
+        for layer, lens, stats in zip(session.cache.layers, self.lens, self.stats):
+            layer.lens = lens
+            for name, t in layer.stats.items():
+                if name in stats:
+                    t.copy_(stats[name])
+                else:  # a statistic the read started: nothing held before it had any
+                    t.zero_()
+        if self.observer is not None:
+            observer = session.observer
+            observer._queries, observer._qpos, observer._count, observer._scaling = self.observer
+        session.log.truncate(self.log_n, self.sentence)
+        session.last_logits = self.last_logits

@@ -7,7 +7,8 @@ Before a forward would take the cache past budget + slack, ``make_room`` compres
 2. the policy may split the budget over layers and heads (``allocate``), then ``score``s each layer's slots;
 3. protected slots (sink, system prompt, recent window) are always kept; ``select_keep`` turns the scores into
    whole groups to keep;
-4. each layer gathers the kept slots, re-rotating their keys in ``rerotate`` mode;
+4. each layer gathers the kept slots; in ``rerotate`` mode (and for recall) every layer is refilled from the
+   archive at once, each key rotated once from where it was computed to its new slot (core/rebuild.py);
 5. an eviction event is recorded.
 
 The session supplies the state (settings, policy, cache, observer, token log, model); nothing here knows which
@@ -22,6 +23,7 @@ import torch
 
 from ..policies import LayerView
 from .groups import select_keep
+from .rebuild import rebuild, slots
 from .turns import now_iso
 
 MAX_CHUNK = 512  # longest prefill forward
@@ -58,6 +60,48 @@ def make_room(session, m: int) -> int:
     return c
 
 
+@dataclass(eq=False)
+class Plan:
+    """One layer's part of a compression: how many slots each head keeps (``counts``), how many recalled
+    positions it gains (``missing``), its capacities, and the slots kept (``index``, per head, ascending)."""
+
+    layer: object
+    view: LayerView
+    counts: list[int]
+    caps: list[int] | None = None
+    missing: list[int] | None = None
+    present: torch.Tensor | None = None  # [heads, n] slots holding a recalled position (kept)
+    scores: torch.Tensor | None = None
+    same_as: "Plan | None" = None
+    index: list[torch.Tensor] | None = None
+
+    def __post_init__(self):
+        self.missing = self.missing or [0] * len(self.counts)
+
+
+def select(session, plans: list[Plan]) -> None:
+    """Turn each plan's scores into the slots it keeps (``select_keep``), one call for all layers of the same shape
+    (their heads stacked as rows)."""
+    batches: dict[tuple, list[Plan]] = {}
+    for p in plans:
+        key = (tuple(p.view.positions.shape[1:]), min(p.counts), p.view.groups is None, p.scores.dim() == 1)
+        batches.setdefault(key, []).append(p)
+    for batch in batches.values():
+        heads = [p.layer.heads for p in batch]
+        positions = torch.cat([p.view.positions for p in batch])
+        lens = [n for p in batch for n in p.layer.lens]
+        safe = protected(session, positions, lens, min(batch[0].counts))
+        present = [p.present for p in batch]
+        if present[0] is not None:
+            safe |= torch.cat(present)
+        scores = torch.cat([p.scores.expand(h, -1) for p, h in zip(batch, heads)])
+        groups = None if batch[0].view.groups is None else torch.cat([p.view.groups for p in batch])
+        index = select_keep(scores, [c for p in batch for c in p.counts], safe, groups, session.settings.aggregate,
+                            torch.cat([p.view.valid for p in batch]))
+        for p, rows in zip(batch, torch.tensor(heads).cumsum(0).tolist()):
+            p.index = index[rows - p.layer.heads: rows]
+
+
 def compress(session, keep: int, reason: str, bring: torch.Tensor | None = None) -> None:
     """Compress every layer to ``keep`` positions (per head, or as the policy allocates them).
 
@@ -70,47 +114,49 @@ def compress(session, keep: int, reason: str, bring: torch.Tensor | None = None)
     views = [layer_view(session, li, layer) for li, layer in layers]
     minimum = s.window_tokens + (s.sink if policy.protect_start else 0) + 1
     alloc = policy.allocate(views, keep, minimum)
-    shared: tuple[torch.Tensor, list[torch.Tensor]] | None = None
-    plans, evicted_groups = [], 0
     # In rerotate mode the next position is the largest kept count: keep it inside the trained positions.
     ceiling = session.model.max_positions - s.slack_tokens if s.positions == "rerotate" else None
+    plans, reference = [], None
     for pos, ((li, layer), view) in enumerate(zip(layers, views)):
-        counts = alloc[pos] if alloc is not None else [keep] * layer.heads
+        plan = Plan(layer, view, alloc[pos] if alloc is not None else [keep] * layer.heads)
         if ceiling is not None:
-            counts = [min(c, ceiling) for c in counts]
-        missing, present = [0] * layer.heads, None
+            plan.counts = [min(c, ceiling) for c in plan.counts]
         if bring is not None:
-            present = torch.isin(view.positions, bring.to(view.positions.device)) & view.valid
-            missing = [bring.numel() - n for n in present.sum(1).tolist()]
-            counts = [max(min(c, n + m) - m, 0) for c, n, m in zip(counts, layer.lens, missing)]
-        if shared is not None and alloc is None and torch.equal(shared[0], view.positions):
-            index = shared[1]  # a position-only policy: the same choice as the layer before
+            plan.present = torch.isin(view.positions, bring.to(view.positions.device)) & view.valid
+            plan.missing = [bring.numel() - n for n in plan.present.sum(1).tolist()]
+            plan.counts = [max(min(c, n + m) - m, 0) for c, n, m in zip(plan.counts, layer.lens, plan.missing)]
+        plan.caps = [c + m + s.slack_tokens for c, m in zip(plan.counts, plan.missing)] if alloc is not None \
+            else [s.capacity] * layer.heads
+        if policy.layer_independent and alloc is None and reference is not None \
+                and torch.equal(reference.view.positions, view.positions):
+            plan.same_as = reference  # a position-only policy: the same choice as the layer with the same positions
         else:
-            scores = policy.score(view)
-            if scores.dim() == 1:
-                scores = scores.expand(layer.heads, -1)
-            safe = protected(session, view.positions, layer.lens, min(counts))
-            if present is not None:
-                safe |= present
-            index = select_keep(scores, counts, safe, view.groups, s.aggregate, view.valid)
-            if policy.layer_independent:
-                shared = (view.positions, index)
-        if li == 0:
-            held = view.positions[0][view.valid[0]]
-            g = held if view.groups is None else view.groups[0][view.valid[0]]
-            evicted_groups = torch.unique(g).numel() - torch.unique(g[index[0].to(g.device)]).numel()
-        caps = [c + m + s.slack_tokens for c, m in zip(counts, missing)] if alloc is not None else None
-        plans.append((layer, index, caps, missing))
-    next_pos = max(int(i.numel()) + m for _, index, _, missing in plans for i, m in zip(index, missing))
+            plan.scores = policy.score(view)
+            if policy.layer_independent and reference is None:
+                reference = plan
+        plans.append(plan)
+    select(session, [p for p in plans if p.same_as is None])
+    for plan in plans:
+        if plan.same_as is not None:
+            plan.index = plan.same_as.index
+    first = plans[0].view
+    held = first.positions[0][first.valid[0]]
+    g = held if first.groups is None else first.groups[0][first.valid[0]]
+    evicted_groups = torch.unique(g).numel() - torch.unique(g[plans[0].index[0].to(g.device)]).numel()
+    next_pos = max(int(i.numel()) + m for p in plans for i, m in zip(p.index, p.missing))
     rotary = session.model.rotary if s.positions == "rerotate" else None
-    for layer, index, caps, _ in plans:
-        caps = caps or [s.capacity] * layer.heads
-        if bring is None:
-            layer.keep(index, rotary, next_pos, caps)
-        else:
-            layer.merge(index, bring, session.model.rotary, s.positions == "original", next_pos, caps)
+    if bring is None and (rotary is None or cache.archive is None):  # kept keys stay where they are, or move live
+        for p in plans:
+            p.layer.keep(p.index, rotary, next_pos, p.caps)
+    else:  # every key taken from the archive and rotated once to its slot: all layers at once (core/rebuild.py)
+        built, last = [], None
+        for p in plans:
+            if last is None or p.index is not last[0] or p.layer.stats or last[1].stats:
+                last = (p.index, slots(p.layer, p.index, bring))
+            built.append((p.layer, last[1], p.caps))
+        rebuild(built, cache.archive, session.model.rotary, s.positions == "original", next_pos)
     after = cache.mean_length
-    brought = sum(sum(m) for *_, m in plans) / max(sum(len(m) for *_, m in plans), 1)
+    brought = sum(sum(p.missing) for p in plans) / max(sum(len(p.missing) for p in plans), 1)
     session.evictions.record({"turn": session.turn, "reason": reason, "before": before, "after": after,
                               "evicted_tokens": round(before + brought - after), "evicted_groups": evicted_groups,
                               "total_tokens": session.log.n, "created_at": now_iso()})

@@ -9,7 +9,7 @@ import time
 import torch
 
 from . import compress, recall
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, ReadMark
 from .observe import Observer
 from .recall import QueryTap
 from .tokens import encode
@@ -37,9 +37,15 @@ class Feeding:
             # the message was read (the undo checkpoint) and it is fed again after the recall, so its own KV is
             # computed with the recalled text before it, as it was when that text was still cached.
             tap = QueryTap(self.archive.digests.layers)
-            before = Checkpoint.capture(self)
+            # Room for the message first, as reading it would make (a message longer than the slack is read in
+            # pieces with compressions between: the whole cache is copied to forget that read).
+            compress.make_room(self, len(segments[0][0]))
+            t = time.perf_counter()
+            before = ReadMark.capture(self, len(segments[0][0])) or Checkpoint.capture(self)
+            marking = 1000 * (time.perf_counter() - t)
             head = self._feed(segments[:1], want_logprobs=want_logprobs, tap=tap)
             found = recall.plan(self, tap)
+            found["recall_ms"] += marking  # what recall adds to every message: the mark, the scoring, the put-back
             if found["recalled"]:
                 t = time.perf_counter()
                 before.restore(self)  # the first read is forgotten, the archive's copy of it too

@@ -256,45 +256,37 @@ class KVLayer(CacheLayerMixin):
         if next_pos is not None:
             self.pos_off = [next_pos - k] * heads
 
-    def merge(self, index: list[torch.Tensor], bring: torch.Tensor, rotary: Rotary | None, original: bool,
-              next_pos: int, caps: list[int]) -> None:
-        """Keep, per head, the slots ``index[h]`` and bring back the absolute positions of ``bring`` the head lacks
-        (recall), all in position order. Keys and values come from the archive, each key rotated once from where it
-        was computed to its slot's position (its absolute one in ``original`` mode), exactly as a resumed cache is
-        rebuilt (``KVCache.load_slot_state``). Recalled slots start each statistic at the median of the head's kept
-        ones."""
-        archive = self._owner.archive
-        held_all, targets, stats = [], [], {name: [] for name in self.stats}
-        for h, idx in enumerate(index):
-            src = idx.to(self.device) + self.offs[h]
-            kept = self.abs_pos[src].long().cpu()
-            new = bring[~torch.isin(bring, kept)]
-            held, order = torch.sort(torch.cat([kept, new]))
-            n = held.numel()
-            held_all.append(held)
-            targets.append(held if original else next_pos - n + torch.arange(n))
-            for name, t in self.stats.items():
-                old = t[src]
-                fill = old.median() if old.numel() else torch.zeros((), dtype=t.dtype, device=t.device)
-                stats[name].append(torch.cat([old, fill.expand(new.numel())])[order.to(self.device)])
-        # One archive read and one rotation for all heads of the layer (rows padded to the longest head's).
-        width = max(held.numel() for held in held_all)
-
-        def padded(rows: list[torch.Tensor]) -> torch.Tensor:
-            return torch.stack([torch.cat([r, r[-1:].expand(width - r.numel())]) if r.numel() else
-                                torch.zeros(width, dtype=torch.long) for r in rows])
-
-        k, v, computed = archive.keys_values(self.index, padded(held_all))
-        if rotary is not None:
-            k = rotary.rotate(k, padded(targets) - computed.long())
-        k, v = k.to(device=self.device, dtype=self.dtype), v.to(device=self.device, dtype=self.dtype)
-        keys = [k[h, : held.numel()] for h, held in enumerate(held_all)]
-        values = [v[h, : held.numel()] for h, held in enumerate(held_all)]
-        self.load(caps, keys, values, held_all, [next_pos - k.shape[0] for k in keys], {})
-        for name, parts in stats.items():
-            t = self.ensure_stat(name)
-            for h, part in enumerate(parts):
-                t[self.offs[h]: self.offs[h] + part.numel()] = part
+    def fill(self, caps: list[int], keys: torch.Tensor | None, values: torch.Tensor | None, held: torch.Tensor,
+             lens: list[int], next_pos: int, stats: dict[str, torch.Tensor]) -> None:
+        """Hold, per head h, the first ``lens[h]`` rows of ``keys[h]``, ``values[h]`` ([heads, width, dim]),
+        ``held[h]`` (absolute positions) and of each statistic ([heads, width]), the slots ending right before
+        ``next_pos``; with ``caps`` slots per head (the buffers are reused when the capacities stay)."""
+        if list(caps) != self.caps:
+            self.lens = [0] * len(caps)
+            self._allocate(caps)
+        for name in stats:
+            self.ensure_stat(name)
+        if keys is not None:
+            keys = keys.to(device=self.device, dtype=self.dtype)
+            values = values.to(device=self.device, dtype=self.dtype)
+        held = held.to(device=self.device, dtype=torch.int32)
+        if len(set(self.caps)) == 1 and len(set(lens)) == 1:
+            n, cap = lens[0], self.caps[0]
+            if n:
+                self.keys.view(self.heads, cap, -1)[:, :n] = keys[:, :n]
+                self.values.view(self.heads, cap, -1)[:, :n] = values[:, :n]
+                self.abs_pos.view(self.heads, cap)[:, :n] = held[:, :n]
+                for name, t in stats.items():
+                    self.stats[name].view(self.heads, cap)[:, :n] = t[:, :n]
+        else:
+            for h, n in enumerate(lens):
+                dst = slice(self.offs[h], self.offs[h] + n)
+                if n:
+                    self.keys[dst], self.values[dst], self.abs_pos[dst] = keys[h, :n], values[h, :n], held[h, :n]
+                    for name, t in stats.items():
+                        self.stats[name][dst] = t[h, :n]
+        self.lens = list(lens)
+        self.pos_off = [next_pos - n for n in lens]
 
     def shift_positions(self, rotary: Rotary, to_original: bool) -> None:
         """Rotate every held key between its ``rerotate`` position and its absolute position."""

@@ -68,11 +68,16 @@ class Rotary:
         cos, sin = self._trig(delta.to(keys.device))
         k = keys[..., :rd].float()
         x1, x2 = k[..., :half], k[..., half:]
-        # the half-rotation as the model applies it: k * cat(cos, cos) + cat(-x2, x1) * cat(sin, sin)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(keys.dtype)
-        if rd == keys.shape[-1]:
-            return rotated
-        return torch.cat((rotated, keys[..., rd:]), dim=-1)
+        # the half-rotation as the model applies it, k * cat(cos, cos) + cat(-x2, x1) * cat(sin, sin), written
+        # into one output (the same roundings, op for op: x1 * cos - x2 * sin and x2 * cos + x1 * sin)
+        out = torch.empty(*torch.broadcast_shapes(keys.shape[:-1], cos.shape[:-1]), keys.shape[-1],
+                          dtype=torch.float32, device=keys.device)
+        o1, o2 = out[..., :half], out[..., half:rd]
+        torch.mul(x1, cos, out=o1).sub_(x2 * sin)
+        torch.mul(x2, cos, out=o2).add_(x1 * sin)
+        if rd < keys.shape[-1]:
+            out[..., rd:] = keys[..., rd:]  # past the rotary dimensions (partial rotary): unchanged
+        return out.to(keys.dtype)
 
     def _trig(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of ``delta`` times each frequency. A compression rotates every layer's keys by the same

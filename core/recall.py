@@ -62,6 +62,7 @@ class Digests:
         #: The coarse keys in memory once recall has read them ([coarse layers, heads, capacity, key dim] float16;
         #: rows below ``count`` valid), kept current as groups are added: the coarse pass reads them every message.
         self._coarse: torch.Tensor | None = None
+        self._content = torch.zeros(0, dtype=torch.bool)  # per group, whether it holds more than scaffolding
         if (self.folder / "digest.txt").is_file():
             heads, kdim, *layers = map(int, (self.folder / "digest.txt").read_text().split())
             self.layout, self.layers = (heads, kdim), layers
@@ -160,6 +161,20 @@ class Digests:
             self.count = written
         return torch.from_numpy(spans).long(), digests, self._coarse[:, :, : self.count]
 
+    def has_content(self, spans: torch.Tensor, log, scaffolding: torch.Tensor) -> torch.Tensor:
+        """[groups] whether each group (``spans``, as ``read`` gives them) holds a token that is not template
+        scaffolding (``scaffolding``: token ids; ``log``: the token log). Kept in memory: each call looks only at
+        the groups added since the last."""
+        known = self._content[: spans.shape[0]]
+        if known.numel() < spans.shape[0]:
+            start = int(spans[known.numel(), 0])
+            content = ~torch.isin(log.column("token", start).long(), scaffolding)
+            total = torch.cat([torch.zeros(1, dtype=torch.long), content.long().cumsum(0)])
+            new = spans[known.numel():] - start
+            known = torch.cat([known, total[new[:, 1]] > total[new[:, 0]]])
+        self._content = known
+        return known
+
     def _keep_coarse(self, rows: torch.Tensor) -> None:
         """Write ``rows`` ([coarse layers, heads, n, kdim]) after the first ``count`` rows of the coarse keys in
         memory, growing them by doubling."""
@@ -185,6 +200,7 @@ class Digests:
         spans = np.fromfile(self.folder / "groups.bin", dtype=np.int32, count=2 * self.count).reshape(-1, 2)
         keep = int(np.searchsorted(spans[:, 1], n, side="right"))
         self._cut(keep)
+        self._content = self._content[:keep]
         self.count = keep
         self.covered = int(spans[keep - 1, 1]) if keep else 0
 
@@ -197,6 +213,7 @@ class Digests:
     def delete(self) -> None:
         self.close()
         self._coarse = None
+        self._content = self._content[:0]
         for name in (*self.FILES, "digest.txt"):
             (self.folder / name).unlink(missing_ok=True)
 
@@ -297,17 +314,14 @@ def scaffolding(model) -> torch.Tensor:
     return torch.tensor(sorted(ids), dtype=torch.long)
 
 
-def choose(relevance: torch.Tensor, spans: torch.Tensor, held: torch.Tensor, content: torch.Tensor, groups: int,
-           tokens: int, threshold: float) -> list[list[int]]:
+def choose(relevance: torch.Tensor, spans: torch.Tensor, mean_held: torch.Tensor, has_content: torch.Tensor,
+           groups: int, tokens: int, threshold: float) -> list[list[int]]:
     """The groups to bring back, best first: at most ``groups`` of them and ``tokens`` positions in all, each
-    scoring at least ``threshold``, holding more than template scaffolding (``content``: per position) and mostly
-    evicted now (less than half of its (layer, head, position) slots held). Each comes as a unit with the evicted
-    scaffolding groups right around it (consecutive group indices), the units in conversation order."""
+    scoring at least ``threshold``, holding more than template scaffolding (``has_content``, per group) and mostly
+    evicted now (``mean_held``: the share of its (layer, head, position) slots held, per group, below one half).
+    Each comes as a unit with the evicted scaffolding groups right around it (consecutive group indices), the units
+    in conversation order."""
     a, b = spans[:, 0], spans[:, 1]
-    held_sum = torch.cat([torch.zeros(1, dtype=torch.float64), held.double().cumsum(0)])
-    mean_held = ((held_sum[b] - held_sum[a]) / (b - a)).float()
-    content_sum = torch.cat([torch.zeros(1, dtype=torch.long), content.long().cumsum(0)])
-    has_content = content_sum[b] > content_sum[a]
     # Only what the message wants more than most of what the cache already holds comes back.
     present = relevance[(mean_held >= 0.5) & has_content & (relevance > 0)]
     if present.numel() and HELD_QUANTILE > 0:
@@ -335,6 +349,19 @@ def choose(relevance: torch.Tensor, spans: torch.Tensor, held: torch.Tensor, con
     return sorted(chosen)
 
 
+def held_share(cache, spans: torch.Tensor) -> torch.Tensor:
+    """[groups] the share of each group's (layer, KV head, position) slots the cache holds: its slots are counted
+    per group, so the cost follows the cache's size, not the conversation's."""
+    held = torch.cat([layer.positions().flatten().cpu() for layer in cache.layers if layer.is_initialized])
+    held = held[held >= 0]
+    pairs = sum(layer.heads for layer in cache.layers if layer.is_initialized)
+    group = torch.searchsorted(spans[:, 1].contiguous(), held, right=True)
+    inside = group < spans.shape[0]
+    group, held = group[inside], held[inside]
+    counts = torch.bincount(group[held >= spans[group, 0]], minlength=spans.shape[0]).float()
+    return counts / (max(pairs, 1) * (spans[:, 1] - spans[:, 0]).clamp(min=1))
+
+
 def plan(session, tap: QueryTap) -> dict:
     """Score the archived groups against the queries ``tap`` kept and choose what comes back: {"recalled_tokens",
     "recalled_groups", "recalled": [[start, end]] (a chosen group with the scaffolding around it), "bring": the
@@ -347,9 +374,9 @@ def plan(session, tap: QueryTap) -> dict:
         rel = relevance(digests, coarse, archive.digests.layers, tap.unrotated(session.model.rotary), tap.scaling)
         if session.model.scaffolding is None:
             session.model.scaffolding = scaffolding(session.model)
-        content = ~torch.isin(session.log.column("token").long(), session.model.scaffolding)
-        units = choose(rel, spans, session.held_fraction(), content, s.recall_groups, s.recall_limit,
-                       s.recall_threshold)
+        units = choose(rel, spans, held_share(session.cache, spans),
+                       archive.digests.has_content(spans, session.log, session.model.scaffolding), s.recall_groups,
+                       s.recall_limit, s.recall_threshold)
         if units:
             found = [[int(spans[u[0], 0]), int(spans[u[-1], 1])] for u in units]
             out.update(recalled=found, recalled_groups=len(units),

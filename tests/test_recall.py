@@ -101,6 +101,37 @@ def test_a_recall_turn_reopens_exactly(tiny, tmp_path):
     assert reopened.chat("And the rivers?").answer == live.chat("And the rivers?").answer
 
 
+@pytest.mark.parametrize("policy", ["h2o", "snapkv"])
+def test_forgetting_a_read_message_by_its_mark_equals_the_whole_checkpoint(tiny, tmp_path, monkeypatch, policy):
+    """Recall reads a user message for its queries, then forgets the read before the put-back: by a ``ReadMark``
+    when the message fits the free slots, else by a ``Checkpoint`` of the whole cache. Both leave the same
+    session: the same cache, statistics, observer window and replies."""
+    from kvchat.core.checkpoint import ReadMark
+
+    restored = []
+    restore = ReadMark.restore
+
+    def run(folder, marks):
+        if marks:
+            monkeypatch.setattr(ReadMark, "restore", lambda self, session: restored.append(1) or restore(self, session))
+        else:
+            monkeypatch.setattr(ReadMark, "capture", classmethod(lambda cls, session, tokens: None))
+        # slack for a short message to fit the free slots after a compression
+        session = Session(tiny("llama"), _settings(policy=policy, slack=24), store=Store(tmp_path / folder / "m.db"),
+                          sampling=GREEDY)
+        results = _chat(session) + [session.chat("And what did I say about the sea?")]
+        monkeypatch.undo()
+        return session, results
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    marked, with_marks = run("a", True)
+    whole, with_checkpoints = run("b", False)
+    assert restored, "some reads were forgotten by their mark"
+    assert sum(r.recalled_tokens for r in with_marks) > 0
+    assert [(r.recalled, r.answer) for r in with_marks] == [(r.recalled, r.answer) for r in with_checkpoints]
+    assert_same_cache(marked, whole)
+
+
 def test_recall_switches_live_and_undo_takes_it_back(tiny, tmp_path):
     session = Session(tiny("llama"), _settings(recall="off"), store=Store(tmp_path / "s.db"), sampling=GREEDY,
                       undo=True)
@@ -232,3 +263,28 @@ def test_coarse_keys_kept_in_memory_follow_the_file_through_adds_and_undo(tiny, 
     session.undo()
     session.chat("A different turn: the lake was calm and grey.")
     assert torch.equal(digests.read()[2], on_disk()) and digests.read()[2].shape[2] == digests.count
+
+
+def test_group_shares_and_content_follow_the_chat_through_undo(tiny, tmp_path):
+    """What ``choose`` reads per group: the share of its slots the cache holds (counted from the cache's slots)
+    equals the mean over its positions of the held fraction, and whether it holds more than scaffolding (kept in
+    memory between messages) equals a fresh reading of the token log, also after an undo rewrote the last turn."""
+    from kvchat.core import recall
+
+    session = Session(tiny("llama"), _settings(policy="h2o"), store=Store(tmp_path / "g.db"), sampling=GREEDY,
+                      undo=True)
+    digests = session.archive.digests
+    session.model.scaffolding = recall.scaffolding(session.model)
+    for step, (user, reply) in enumerate(TURNS * 2):
+        if step == 5:
+            session.undo()
+        session.exchange(user, reply)
+        spans = digests.read()[0]
+        held = session.held_fraction()
+        expected = torch.stack([held[a:b].mean() for a, b in spans.tolist()])
+        assert torch.allclose(recall.held_share(session.cache, spans), expected, atol=1e-6)
+        assert 0 < int((expected < 0.5).sum()) < spans.shape[0] or step < 2
+        content = ~torch.isin(session.log.column("token").long(), session.model.scaffolding)
+        fresh = torch.tensor([bool(content[a:b].any()) for a, b in spans.tolist()])
+        assert torch.equal(digests.has_content(spans, session.log, session.model.scaffolding), fresh)
+        assert not fresh.all(), "scaffolding-only groups exist (the template's markers)"

@@ -1,0 +1,133 @@
+"""Rebuilding the cache's layers from the archive, all layers at once.
+
+A compression in ``rerotate`` mode and recall's put-back both end the same way: each (layer, KV head) holds a new
+ascending list of absolute positions, and every key is the archived key rotated once from where it was computed
+to its slot's position (core/archive.py). Doing that layer by layer costs a few dozen small operations per layer;
+here it is three steps:
+
+1. per layer, which positions each head holds (``slots``: the kept slots' positions and statistics, and with
+   recall the brought positions the head lacks, merged in position order), vectorised over the heads; layers
+   that keep the same slots (position-only policies) share one result;
+2. for a chunk of layers, one read of the archive and one rotation (``Archive.read``; the rotation's cos/sin are
+   computed once when the layers share their positions);
+3. per layer, one copy into its buffers (``KVLayer.fill``).
+
+The result is bit for bit what the layer-by-layer path and ``KVCache.load_slot_state`` compute: the same archived
+rows, the same element-wise rotation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .positions import Rotary
+
+CHUNK_BYTES = 32 << 20  # archive rows read at once (bounds the transient memory on large models)
+_PAD = torch.iinfo(torch.long).max  # sorts after every position
+
+
+@dataclass
+class Slots:
+    """What one layer holds after the rebuild: per head ``lens[h]`` positions ``held[h, :lens[h]]`` (ascending;
+    the padding repeats position 0) and each statistic's values in the same order."""
+
+    held: torch.Tensor  # [heads, width] int64 (CPU)
+    lens: list[int]
+    stats: dict[str, torch.Tensor]  # name -> [heads, width] (the layer's device)
+
+    def targets(self, next_pos: int, original: bool) -> torch.Tensor:
+        """[heads, width] the position each slot's key is rotated to: its absolute one in ``original`` mode, else
+        contiguous positions ending right before ``next_pos``."""
+        if original:
+            return self.held
+        lens = torch.tensor(self.lens)[:, None]
+        return next_pos - lens + torch.arange(self.held.shape[1])[None, :]
+
+
+def slots(layer, index: list[torch.Tensor], bring: torch.Tensor | None) -> Slots:
+    """Layer ``layer`` keeping, per head, its slots ``index[h]`` (ascending) and, with ``bring`` (absolute
+    positions, ascending), gaining those of them the head lacks. A brought slot starts each statistic at the
+    median of the head's kept ones."""
+    heads, device = layer.heads, layer.device
+    sizes = [int(i.numel()) for i in index]
+    if layer.uniform and len(set(sizes)) == 1:
+        idx = torch.stack(list(index)).to(device)
+        cap = layer.caps[0]
+        kept = torch.gather(layer.abs_pos.view(heads, cap), 1, idx).long().cpu()
+        stats = {name: torch.gather(t.view(heads, cap), 1, idx) for name, t in layer.stats.items()}
+    else:
+        width = max(sizes, default=0)
+        kept = torch.full((heads, width), _PAD, dtype=torch.long)
+        stats = {name: torch.zeros(heads, width, dtype=t.dtype, device=device) for name, t in layer.stats.items()}
+        for h, idx in enumerate(index):
+            src = idx.to(device) + layer.offs[h]
+            kept[h, : sizes[h]] = layer.abs_pos[src].long().cpu()
+            for name, t in layer.stats.items():
+                stats[name][h, : sizes[h]] = t[src]
+    lens = sizes
+    if bring is not None and bring.numel():
+        b = bring.numel()
+        wanted = bring.cpu().long()[None].expand(heads, b)
+        if kept.shape[1]:
+            at = torch.searchsorted(kept, wanted.contiguous()).clamp(max=kept.shape[1] - 1)
+            has = kept.gather(1, at) == wanted
+        else:
+            has = torch.zeros(heads, b, dtype=torch.bool)
+        merged, order = torch.sort(torch.cat([kept, wanted.masked_fill(has, _PAD)], 1), dim=1, stable=True)
+        lens = [n + int(m) for n, m in zip(sizes, (~has).sum(1).tolist())]
+        width = max(lens)
+        kept, order = merged[:, :width], order[:, :width].to(device)
+        for name, t in stats.items():
+            fill = torch.stack([t[h, : sizes[h]].median() if sizes[h] else t.new_zeros(()) for h in range(heads)]) \
+                if len(set(sizes)) > 1 or not sizes[0] else t.median(dim=1).values
+            stats[name] = torch.cat([t, fill[:, None].expand(heads, b)], 1).gather(1, order)
+    width = max(lens, default=0)
+    held = kept[:, :width]
+    if any(n < width for n in lens):
+        held = torch.where(torch.arange(width)[None, :] < torch.tensor(lens)[:, None], held, 0)
+    return Slots(held, lens, {name: t[:, :width] for name, t in stats.items()})
+
+
+def rebuild(plans: list[tuple], archive, rotary: Rotary | None, original: bool, next_pos: int) -> None:
+    """Refill each ``(layer, slots, caps)`` of ``plans`` from the archive: values as archived, keys rotated once
+    from where they were computed to their slot's position (``Slots.targets``)."""
+    if not plans:
+        return
+    heads, kdim, vdim, dtype = archive.layout
+    row = heads * (kdim + vdim) * torch.empty(0, dtype=dtype).element_size()
+    start = 0
+    while start < len(plans):
+        # a chunk of layers whose rows stay within CHUNK_BYTES (one layer at least)
+        end, size = start, 0
+        while end < len(plans) and (end == start or size + plans[end][1].held.shape[1] * row <= CHUNK_BYTES):
+            size += plans[end][1].held.shape[1] * row
+            end += 1
+        _rebuild_chunk(plans[start:end], archive, rotary, original, next_pos)
+        start = end
+
+
+def _rebuild_chunk(plans, archive, rotary, original, next_pos) -> None:
+    first = plans[0][1]
+    shared = all(s is first for _, s, _ in plans)  # the same positions in every layer of the chunk
+    width = max(s.held.shape[1] for _, s, _ in plans)
+    if width == 0:
+        for layer, s, caps in plans:
+            layer.fill(caps, None, None, s.held, s.lens, next_pos, s.stats)
+        return
+    if shared:
+        held = first.held[None].expand(len(plans), -1, -1)
+    else:
+        held = torch.stack([torch.nn.functional.pad(s.held, (0, width - s.held.shape[1])) for _, s, _ in plans])
+    keys, values, computed = archive.read([layer.index for layer, _, _ in plans], held)
+    if rotary is not None:
+        if shared:
+            keys = rotary.rotate(keys, first.targets(next_pos, original) - computed[0])
+        else:
+            targets = torch.stack([torch.nn.functional.pad(s.targets(next_pos, original), (0, width - s.held.shape[1]))
+                                   for _, s, _ in plans])
+            keys = rotary.rotate(keys, targets - computed)
+    for i, (layer, s, caps) in enumerate(plans):
+        w = s.held.shape[1]
+        layer.fill(caps, keys[i, :, :w], values[i, :, :w], s.held, s.lens, next_pos, s.stats)
