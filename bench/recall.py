@@ -33,7 +33,7 @@ from unittest import mock
 import torch
 
 from ..core import recall as recall_engine
-from ..core.recall import QUERY_ROWS, REPS, choose, coarse_index, relevance, scoring_layers
+from ..core.recall import COARSE_DTYPE, QUERY_ROWS, REPS, choose, coarse_index, relevance, scoring_layers
 from ..core.session import Sampling, Session
 from ..core.settings import Settings
 from ..policies import POLICIES
@@ -222,7 +222,7 @@ def scoring_cost(cm, sizes: list[int], group_tokens: float, seed: int) -> list[d
     for size in sizes:
         groups = max(1, round(size / group_tokens))
         digests = torch.randn(groups, len(layers), heads, REPS, kdim, generator=gen).half()
-        coarse = digests[:, coarse_index(layers), :, 0].permute(1, 2, 0, 3).contiguous()
+        coarse = digests[:, coarse_index(layers), :, 0].permute(1, 2, 0, 3).to(COARSE_DTYPE).contiguous()
         spans = torch.stack([torch.arange(groups), torch.arange(groups) + 1], 1) * round(group_tokens)
         held = torch.zeros(groups)
         content = torch.ones(groups, dtype=torch.bool)

@@ -87,8 +87,18 @@ class Rotary:
         if last is not None and last[0].shape == delta.shape and last[0].device == delta.device and \
                 last[0].dtype == delta.dtype and torch.equal(last[0], delta):
             return last[1], last[2]
-        freqs = delta.to(torch.float32)[..., None] * self.inv_freq.to(delta.device)
-        cos, sin = freqs.cos(), freqs.sin()
+        inv_freq = self.inv_freq.to(delta.device)
+        lo, hi = (int(x) for x in torch.aminmax(delta)) if delta.numel() else (0, 0)
+        if not delta.is_floating_point() and hi - lo + 1 < delta.numel() // 4:
+            # many keys, few distinct deltas (a compression moves thousands of keys by at most the cache's length):
+            # cos/sin once per distinct delta, then gathered; element-wise, so the same bits as computed in place
+            freqs = torch.arange(lo, hi + 1, device=delta.device).to(torch.float32)[:, None] * inv_freq
+            index = (delta - lo).reshape(-1)
+            cos = freqs.cos().index_select(0, index).view(*delta.shape, -1)
+            sin = freqs.sin().index_select(0, index).view(*delta.shape, -1)
+        else:
+            freqs = delta.to(torch.float32)[..., None] * inv_freq
+            cos, sin = freqs.cos(), freqs.sin()
         self._last = (delta.clone(), cos, sin)
         return cos, sin
 

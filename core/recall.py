@@ -33,6 +33,17 @@ HELD_QUANTILE = 0.9  # a recalled group must outscore this share of the groups t
 BLOCK = 8192  # positions digested at a time
 
 
+def _coarse_dtype() -> torch.dtype:
+    """The dtype the coarse keys are kept in memory and multiplied in: bf16 where the CPU has native bf16 products
+    (AVX512-BF16: the coarse pass's products ran 6x faster than fp32 on this project's machine, and it only picks
+    candidates, which the full pass scores in fp32), else fp16 (half the memory, multiplied in fp32)."""
+    supported = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    return torch.bfloat16 if supported() else torch.float16
+
+
+COARSE_DTYPE = _coarse_dtype()
+
+
 def scoring_layers(num_layers: int) -> list[int]:
     """Up to ``SCORING_LAYERS`` layers evenly spread over the middle of the network (its first and last fifth
     attend mostly locally or to the output)."""
@@ -155,7 +166,7 @@ class Digests:
         if self._coarse is None:
             coarse = np.fromfile(self.folder / "coarse.bin", dtype=np.float16,
                                  count=self.count * self._records[1] // 2)
-            self._coarse = torch.zeros(len(coarse_index(self.layers)), heads, 0, kdim, dtype=torch.float16)
+            self._coarse = torch.zeros(len(coarse_index(self.layers)), heads, 0, kdim, dtype=COARSE_DTYPE)
             written, self.count = self.count, 0
             self._keep_coarse(torch.from_numpy(coarse).view(written, -1, heads, kdim).permute(1, 2, 0, 3))
             self.count = written
@@ -184,7 +195,7 @@ class Digests:
                                            self._coarse.shape[3])
             grown[:, :, : self.count] = self._coarse[:, :, : self.count]
             self._coarse = grown
-        self._coarse[:, :, self.count: end] = rows
+        self._coarse[:, :, self.count: end] = rows.to(self._coarse.dtype)
 
     def sync(self) -> None:
         if self._files is not None:
@@ -262,7 +273,7 @@ def relevance(digests: np.ndarray, coarse: torch.Tensor, layers: list[int], quer
         if q is not None:
             if q.shape[1] > COARSE_ROWS:  # its cost grows with rows x groups: a long message is sampled
                 q = q[:, torch.linspace(0, q.shape[1] - 1, COARSE_ROWS).round().long().to(q.device)]
-            first += _shares(q, coarse[ci].to(q.device, torch.float32), scaling.get(li, q.shape[-1] ** -0.5), 1)
+            first += _shares(q, coarse[ci].to(q.device), scaling.get(li, q.shape[-1] ** -0.5), 1)
             used += 1
     picked = (first / max(used, 1)).topk(CANDIDATES).indices.sort().values
     out = torch.zeros(groups)
@@ -294,7 +305,10 @@ def _shares(q: torch.Tensor, keys: torch.Tensor, scale: float, reps: int) -> tor
     [KV heads, groups * reps, dim])."""
     heads = keys.shape[0]
     qh = q.reshape(heads, -1, keys.shape[-1]) * scale
-    s = torch.bmm(qh, keys.transpose(1, 2))
+    if keys.dtype == torch.bfloat16:  # the coarse pass, where the CPU multiplies bf16 natively
+        s = torch.bmm(qh.to(keys.dtype), keys.transpose(1, 2)).float()
+    else:
+        s = torch.bmm(qh, keys.float().transpose(1, 2))
     if reps > 1:
         s = s.view(heads, qh.shape[1], -1, reps).amax(-1)
     return s.softmax(-1).amax((0, 1)).cpu()

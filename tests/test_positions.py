@@ -69,6 +69,23 @@ def test_reused_trig_gives_the_result_of_a_fresh_rotation():
     assert torch.equal(warm.rotate(keys, torch.tensor(7)), want)
 
 
+def test_rotating_many_keys_by_few_deltas_gives_the_bits_of_each_key_rotated_alone():
+    """A rebuild rotates thousands of keys (every layer, head and slot) by deltas within the cache's length: cos and
+    sin are then computed once per distinct delta and gathered, which must leave every key bit for bit as rotated
+    on its own, and as the model's own half-rotation would."""
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    keys = torch.randn(4, 3, 300, 64)
+    delta = torch.randint(-500, 500, (4, 3, 300))
+    many = Rotary(inv).rotate(keys, delta)
+    for li, h, i in [(0, 0, 0), (3, 2, 299), (1, 1, 17), (2, 0, 150)]:
+        alone = Rotary(inv).rotate(keys[li, h, i: i + 1], delta[li, h, i: i + 1])
+        assert torch.equal(many[li, h, i: i + 1], alone)
+        angle = int(delta[li, h, i]) * inv
+        cos, sin = torch.cat([angle.cos()] * 2), torch.cat([angle.sin()] * 2)
+        k = keys[li, h, i]
+        assert torch.equal(many[li, h, i], k * cos + torch.cat([-k[32:], k[:32]]) * sin)
+
+
 def test_models_without_rope_need_no_rotation(tokenizer):
     assert Rotary.from_model(build_tiny("gpt2", tokenizer)) is None
 

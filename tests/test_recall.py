@@ -245,8 +245,10 @@ def test_digests_written_a_block_at_a_time_equal_those_written_at_once(tiny, tmp
 
 
 def test_coarse_keys_kept_in_memory_follow_the_file_through_adds_and_undo(tiny, tmp_path):
-    """Once recall has read the coarse keys they stay in memory and are extended as turns close; after an undo
-    (the digests truncated) and more turns they still equal what coarse.bin holds."""
+    """Once recall has read the coarse keys they stay in memory (in ``COARSE_DTYPE``) and are extended as turns
+    close; after an undo (the digests truncated) and more turns they still equal what coarse.bin holds."""
+    from kvchat.core.recall import COARSE_DTYPE
+
     session = Session(tiny("llama"), _settings(recall="off"), store=Store(tmp_path / "c.db"), sampling=GREEDY,
                       undo=True)
     _chat(session, rounds=1)
@@ -255,7 +257,7 @@ def test_coarse_keys_kept_in_memory_follow_the_file_through_adds_and_undo(tiny, 
     def on_disk():
         heads, dim = digests.layout
         raw = torch.from_numpy(np.fromfile(digests.folder / "coarse.bin", dtype=np.float16))
-        return raw.view(digests.count, -1, heads, dim).permute(1, 2, 0, 3)
+        return raw.view(digests.count, -1, heads, dim).permute(1, 2, 0, 3).to(COARSE_DTYPE)
 
     assert torch.equal(digests.read()[2], on_disk())  # loaded from the file
     session.chat("One more thing to remember: the boat is blue.")
