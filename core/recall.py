@@ -70,8 +70,9 @@ class Digests:
         self.covered = 0  # positions digested (the end of the last group)
         self.layout: tuple[int, int] | None = None  # heads, key dim
         self._files = None
-        #: The coarse keys in memory once recall has read them ([coarse layers, heads, capacity, key dim] float16;
-        #: rows below ``count`` valid), kept current as groups are added: the coarse pass reads them every message.
+        #: The coarse keys in memory once recall has read them ([coarse layers, heads, capacity, key dim] in
+        #: ``COARSE_DTYPE``; rows below ``count`` valid), kept current as groups are added: the coarse pass reads
+        #: them every message.
         self._coarse: torch.Tensor | None = None
         self._content = torch.zeros(0, dtype=torch.bool)  # per group, whether it holds more than scaffolding
         if (self.folder / "digest.txt").is_file():
