@@ -88,8 +88,9 @@ class Rotary:
                 last[0].dtype == delta.dtype and torch.equal(last[0], delta):
             return last[1], last[2]
         inv_freq = self.inv_freq.to(delta.device)
-        lo, hi = (int(x) for x in torch.aminmax(delta)) if delta.numel() else (0, 0)
-        if not delta.is_floating_point() and hi - lo + 1 < delta.numel() // 4:
+        lo, hi = (int(x) for x in torch.aminmax(delta)) if delta.numel() > 1024 and not delta.is_floating_point() \
+            else (0, delta.numel())
+        if hi - lo + 1 < delta.numel() // 4:
             # many keys, few distinct deltas (a compression moves thousands of keys by at most the cache's length):
             # cos/sin once per distinct delta, then gathered; element-wise, so the same bits as computed in place
             freqs = torch.arange(lo, hi + 1, device=delta.device).to(torch.float32)[:, None] * inv_freq
