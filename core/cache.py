@@ -144,25 +144,27 @@ class KVCache(Cache):
         return out
 
     def load_slot_state(self, tensors: dict[str, torch.Tensor], rotary, original: bool, device) -> None:
-        """Rebuild the layers from ``slot_state()`` and the archive: values as archived, keys rotated once from
-        where they were computed to their slot's position (the absolute one in ``original`` mode)."""
+        """Rebuild the layers from ``slot_state()`` and the archive, as a compression does (core/rebuild.py): values
+        as archived, keys rotated once from where they were computed to their slot's position (the absolute one in
+        ``original`` mode)."""
+        from .rebuild import Slots, rebuild
+
+        _, kdim, vdim, dtype = self.archive.layout
+        plans = []
         for i, layer in enumerate(self.layers):
             if f"{i}.caps" not in tensors:
                 continue
             caps, pos_off = tensors[f"{i}.caps"].tolist(), tensors[f"{i}.pos_off"].tolist()
-            keys, values, abs_pos = [], [], []
-            for h in range(len(caps)):
-                held = tensors[f"{i}.{h}.abs_pos"].long()[None]
-                target = held if original else pos_off[h] + torch.arange(held.shape[1])[None]
-                k, v, computed = self.archive.keys_values(i, held, [h])
-                if rotary is not None:  # as Archive.rotated_keys does, from the one read of this head's rows
-                    k = rotary.rotate(k, target - computed.long())
-                keys.append(k[0].to(device))
-                values.append(v[0].to(device))
-                abs_pos.append(held[0])
-            prefix = f"{i}.stat."
-            layer.load(caps, keys, values, abs_pos, pos_off,
-                       {k[len(prefix):]: t.to(device) for k, t in tensors.items() if k.startswith(prefix)})
+            held = [tensors[f"{i}.{h}.abs_pos"].long() for h in range(len(caps))]
+            lens = [int(p.numel()) for p in held]
+            width = max(lens, default=0)
+            padded = torch.stack([torch.nn.functional.pad(p, (0, width - p.numel())) for p in held])
+            layer.start(dtype, device, kdim, vdim)
+            plans.append((layer, Slots(padded, lens, {}, pos_off), caps))
+        rebuild(plans, self.archive, rotary, original)
+        for layer, _, _ in plans:  # the per-slot statistics as saved, whole buffers
+            prefix = f"{layer.index}.stat."
+            layer.stats = {k[len(prefix):]: t.to(device) for k, t in tensors.items() if k.startswith(prefix)}
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], device, dtype) -> None:
         for i, layer in enumerate(self.layers):

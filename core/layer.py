@@ -256,11 +256,17 @@ class KVLayer(CacheLayerMixin):
         if next_pos is not None:
             self.pos_off = [next_pos - k] * heads
 
+    def start(self, dtype: torch.dtype, device, kdim: int, vdim: int) -> None:
+        """Make an empty layer ready for ``fill`` (a cache rebuilt from the archive, before any forward)."""
+        self.dtype, self.device, self._dims = dtype, device, (kdim, vdim)
+        self.lens, self.caps, self.stats = [], [], {}
+        self.is_initialized = True
+
     def fill(self, caps: list[int], keys: torch.Tensor | None, values: torch.Tensor | None, held: torch.Tensor,
-             lens: list[int], next_pos: int, stats: dict[str, torch.Tensor]) -> None:
+             lens: list[int], pos_off: list[int], stats: dict[str, torch.Tensor]) -> None:
         """Hold, per head h, the first ``lens[h]`` rows of ``keys[h]``, ``values[h]`` ([heads, width, dim]),
-        ``held[h]`` (absolute positions) and of each statistic ([heads, width]), the slots ending right before
-        ``next_pos``; with ``caps`` slots per head (the buffers are reused when the capacities stay)."""
+        ``held[h]`` (absolute positions) and of each statistic ([heads, width]), head h's first slot at position
+        ``pos_off[h]``; with ``caps`` slots per head (the buffers are reused when the capacities stay)."""
         if list(caps) != self.caps:
             self.lens = [0] * len(caps)
             self._allocate(caps)
@@ -286,7 +292,7 @@ class KVLayer(CacheLayerMixin):
                     for name, t in stats.items():
                         self.stats[name][dst] = t[h, :n]
         self.lens = list(lens)
-        self.pos_off = [next_pos - n for n in lens]
+        self.pos_off = list(pos_off)
 
     def shift_positions(self, rotary: Rotary, to_original: bool) -> None:
         """Rotate every held key between its ``rerotate`` position and its absolute position."""

@@ -18,7 +18,8 @@ class SessionReads:
         """The messages ({"role", "content", "tokens"}: tokens as the template rendered them); without
         ``in_progress``, a reply being generated is left out."""
         ids, lengths = self.log.runs("message")
-        counts = torch.bincount(ids.long(), lengths, minlength=len(self.messages)).long().tolist() if ids.numel() else []
+        counts = (torch.bincount(ids.long(), lengths, minlength=len(self.messages)).long().tolist()
+                  if ids.numel() else [])
         out = [{**m, "tokens": counts[i] if i < len(counts) else 0} for i, m in enumerate(self.messages)]
         if not in_progress and self._streaming is not None:
             del out[self._streaming:]

@@ -12,8 +12,8 @@ here it is three steps:
    computed once when the layers share their positions);
 3. per layer, one copy into its buffers (``KVLayer.fill``).
 
-The result is bit for bit what the layer-by-layer path and ``KVCache.load_slot_state`` compute: the same archived
-rows, the same element-wise rotation.
+A resumed cache is rebuilt the same way (``KVCache.load_slot_state``), so a live cache and its resumed copy come
+from the same archived rows through the same element-wise rotation, bit for bit.
 """
 
 from __future__ import annotations
@@ -36,14 +36,19 @@ class Slots:
     held: torch.Tensor  # [heads, width] int64 (CPU)
     lens: list[int]
     stats: dict[str, torch.Tensor]  # name -> [heads, width] (the layer's device)
+    #: Where each head's first slot sits (``rerotate`` mode); None: the slots end right before the rebuild's
+    #: ``next_pos``, as after a compression.
+    pos_off: list[int] | None = None
 
-    def targets(self, next_pos: int, original: bool) -> torch.Tensor:
+    def offsets(self, next_pos: int | None) -> list[int]:
+        return self.pos_off if self.pos_off is not None else [next_pos - n for n in self.lens]
+
+    def targets(self, next_pos: int | None, original: bool) -> torch.Tensor:
         """[heads, width] the position each slot's key is rotated to: its absolute one in ``original`` mode, else
-        contiguous positions ending right before ``next_pos``."""
+        its slot's (contiguous from the head's offset)."""
         if original:
             return self.held
-        lens = torch.tensor(self.lens)[:, None]
-        return next_pos - lens + torch.arange(self.held.shape[1])[None, :]
+        return torch.tensor(self.offsets(next_pos))[:, None] + torch.arange(self.held.shape[1])[None, :]
 
 
 def slots(layer, index: list[torch.Tensor], bring: torch.Tensor | None) -> Slots:
@@ -90,9 +95,11 @@ def slots(layer, index: list[torch.Tensor], bring: torch.Tensor | None) -> Slots
     return Slots(held, lens, {name: t[:, :width] for name, t in stats.items()})
 
 
-def rebuild(plans: list[tuple], archive, rotary: Rotary | None, original: bool, next_pos: int) -> None:
+def rebuild(plans: list[tuple], archive, rotary: Rotary | None, original: bool,
+            next_pos: int | None = None) -> None:
     """Refill each ``(layer, slots, caps)`` of ``plans`` from the archive: values as archived, keys rotated once
-    from where they were computed to their slot's position (``Slots.targets``)."""
+    from where they were computed to their slot's position (``Slots.targets``). A compression's slots end right
+    before ``next_pos``; a resumed cache's carry their saved offsets (``KVCache.load_slot_state``)."""
     if not plans:
         return
     heads, kdim, vdim, dtype = archive.layout
@@ -114,7 +121,7 @@ def _rebuild_chunk(plans, archive, rotary, original, next_pos) -> None:
     width = max(s.held.shape[1] for _, s, _ in plans)
     if width == 0:
         for layer, s, caps in plans:
-            layer.fill(caps, None, None, s.held, s.lens, next_pos, s.stats)
+            layer.fill(caps, None, None, s.held, s.lens, s.offsets(next_pos), s.stats)
         return
     if shared:
         held = first.held[None].expand(len(plans), -1, -1)
@@ -130,4 +137,4 @@ def _rebuild_chunk(plans, archive, rotary, original, next_pos) -> None:
             keys = rotary.rotate(keys, targets - computed)
     for i, (layer, s, caps) in enumerate(plans):
         w = s.held.shape[1]
-        layer.fill(caps, keys[i, :, :w], values[i, :, :w], s.held, s.lens, next_pos, s.stats)
+        layer.fill(caps, keys[i, :, :w], values[i, :, :w], s.held, s.lens, s.offsets(next_pos), s.stats)
