@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..core.settings import CACHE_SETTINGS, SAMPLING_SETTINGS, Sampling, Settings
+from ..core.step import DECODE
 from ..core.weights import WEIGHTS
 from ..policies import POLICIES, Param, declared_params, policy_class
 
@@ -38,6 +39,9 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--weights", default="auto", choices=WEIGHTS,
                    help="linear weights: half (an fp16 copy for one-token decode steps; prefill, activations and cache "
                         "as loaded), model (as loaded), auto (half for an fp32 model on the CPU; default auto)")
+    g.add_argument("--decode", default="auto", choices=DECODE,
+                   help="one-token steps: auto (kvchat's step for Llama-family models, core/step.py; others through "
+                        "the model's forward), model (every step through the model's forward; default auto)")
     g.add_argument("--device-map", default=None, help="e.g. auto: spread a large model over devices (accelerate)")
     g.add_argument("--chat-template", default=None, help="'plain' or a Jinja file, for models without a template")
     g.add_argument("--db", default=None, help="SQLite database (default: $KVCHAT_HOME/kvchat.db)")
@@ -183,7 +187,7 @@ def _db_path(arg: str | None) -> Path:
 
 
 def load_model(spec: str = "default", device: str = "auto", dtype: str = "auto", device_map: str | None = None,
-               chat_template: str | None = None, weights: str = "auto"):
+               chat_template: str | None = None, weights: str = "auto", decode: str = "auto"):
     """Load a chat model with transformers' own logging and progress bars silenced (the CLI and the benches)."""
     from transformers.utils import logging as hf_logging
 
@@ -192,7 +196,7 @@ def load_model(spec: str = "default", device: str = "auto", dtype: str = "auto",
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     return models.load(spec, device=device, dtype=dtype, device_map=device_map, chat_template=chat_template,
-                       weights=weights)
+                       weights=weights, decode=decode)
 
 
 def _prepare(args, check_settings: bool = True):
@@ -205,7 +209,8 @@ def _prepare(args, check_settings: bool = True):
     Sampling().changed(**given)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     model = load_model(args.model, device=args.device, dtype=args.dtype, device_map=args.device_map,
-                       chat_template=args.chat_template, weights=args.weights)
+                       chat_template=args.chat_template, weights=args.weights,
+                       decode=args.decode)
     sampling = Sampling.for_model(model, **given)
     if check_settings:
         settings.validate(model.max_positions, model.rotary_error)

@@ -26,6 +26,10 @@ OTHER_FLAGS = (
     ("`--weights`", "auto",
      "`half`: an fp16 copy of the linear weights for one-token decode steps (prefill, activations and cache as "
      "loaded; +50% weight memory for fp32); `model`: as loaded; `auto`: `half` for an fp32 model on the CPU"),
+    ("`--decode`", "auto",
+     "`auto`: one-token steps of Llama-family models (Llama, Mistral, Qwen2) run in kvchat's step (`core/step.py`: the "
+     "model's computation without transformers' per-module dispatch, q/k/v and gate/up as one product each), other "
+     "models through their forward; `model`: every step through the model's forward"),
     ("`--chat-template`", "the model's",
      "`plain` or a Jinja file for models without one (GPT-2 gets `plain` automatically)"),
     ("`--db`", "`$KVCHAT_HOME/kvchat.db`", "SQLite database"),

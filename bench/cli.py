@@ -16,6 +16,7 @@ import json
 import sys
 from pathlib import Path
 
+from ..core.step import DECODE
 from ..core.weights import WEIGHTS
 from ..policies import POLICIES
 
@@ -39,6 +40,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default", help="Hugging Face id, local directory or .gguf file")
     p.add_argument("--weights", default="auto", choices=WEIGHTS,
                    help="linear weights as kvchat chat --weights (default auto: half for an fp32 model on the CPU)")
+    p.add_argument("--decode", default="auto", choices=DECODE,
+                   help="one-token steps as kvchat chat --decode (default auto: kvchat's step for Llama-family models)")
 
 
 def add_parser(sub) -> None:
@@ -78,7 +81,7 @@ def _resolve(mod, args) -> argparse.Namespace:
     """The module's options: its defaults, quick sizes where left at the default, then validated."""
     defaults = _defaults(mod)
     ns = argparse.Namespace(**{**defaults, **{k: getattr(args, k) for k in defaults if hasattr(args, k)}})
-    for k in ("quick", "out", "json", "model", "weights"):
+    for k in ("quick", "out", "json", "model", "weights", "decode"):
         setattr(ns, k, getattr(args, k))
     if args.quick:
         for k, v in mod.QUICK.items():
@@ -116,6 +119,8 @@ def command_line(name: str, args, ns=None, mod=None) -> str:
         parts += ["--model", args.model]
     if getattr(args, "weights", "auto") != "auto":
         parts += ["--weights", args.weights]
+    if getattr(args, "decode", "auto") != "auto":
+        parts += ["--decode", args.decode]
     if ns is not None and name != "all":
         for k, default in _defaults(mod).items():
             value = getattr(ns, k)
@@ -145,10 +150,11 @@ def run(args) -> int:
     plans = [(mod, _resolve(mod, args)) for mod in chosen]  # every option checked before the model loads
     if args.quick and args.out is None:
         log(f"quick run: writing to {out} (the committed {DOCS}/ is left alone; --out {DOCS} to replace it)")
-    cm = load_model(args.model, weights=args.weights)
+    cm = load_model(args.model, weights=args.weights, decode=args.decode)
     failed = []
     for mod, ns in plans:
-        config = {**{k: v for k, v in vars(ns).items() if k not in ("json", "out")}, "weights": cm.weights}
+        config = {**{k: v for k, v in vars(ns).items() if k not in ("json", "out")}, "weights": cm.weights,
+                  "decode": "kvchat" if cm.step is not None else "model"}
         bench = Run(mod.NAME, args.quick, config, model=cm.name, command=command_line(args.bench, args, ns, mod))
         log(f"== bench {mod.NAME}{' (quick)' if args.quick else ''}")
         try:

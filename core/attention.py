@@ -55,6 +55,10 @@ def kvchat_attention(module, query, key, value, attention_mask=None, scaling=Non
                                                  is_causal=False)
             outs.append(out)
         return torch.cat(outs, dim=1).transpose(1, 2).contiguous(), None
+    if q == 1 and kwargs.get("softcap") is None:  # a decode step: the call sdpa_attention_forward makes then
+        out = F.scaled_dot_product_attention(query, key, value, scale=scaling,
+                                             enable_gqa=query.shape[1] != key.shape[1])
+        return out.transpose(1, 2).contiguous(), None
     n = key.shape[2]
     if q > 1 and n == q:
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,

@@ -117,12 +117,15 @@ class Feeding:
             tap.keep = tap.keep.to(device) if tap.keep is not None else None
             extra["kvchat_tap"] = tap
         with torch.no_grad():
-            out = self.model.model(input_ids=ids[None].to(device), position_ids=pos[None].to(device),
-                                   past_key_values=self.cache, use_cache=True,
-                                   logits_to_keep=0 if all_logits else 1, **extra)
+            if ids.numel() == 1 and tap is None and self.model.step is not None:  # a decode step (core/step.py)
+                logits = self.model.step(ids.to(device), pos.to(device), self.cache, self.observer)
+            else:
+                logits = self.model.model(input_ids=ids[None].to(device), position_ids=pos[None].to(device),
+                                          past_key_values=self.cache, use_cache=True,
+                                          logits_to_keep=0 if all_logits else 1, **extra).logits[0]
         if self.cache.archive is not None:
             self.cache.archive.append(pos)
-        return out.logits[0]
+        return logits
 
     def make_observer(self, policy) -> Observer | None:
         accumulate, window = "acc" in policy.observes, policy.obs_window

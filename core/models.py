@@ -19,6 +19,7 @@ import torch
 
 from . import attention, weights as weight_formats
 from .positions import Rotary
+from .step import DECODE, DecodeStep
 from .template import ChatFormat
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,8 @@ class ChatModel:
     scaffolding: torch.Tensor | None = field(default=None, repr=False)
     #: How the linear layers' weights are held (core/weights.py): "model" (as loaded) or "half".
     weights: str = "model"
+    #: The one-token decode step (core/step.py); None: every step through the model's forward.
+    step: DecodeStep | None = field(default=None, repr=False)
 
     @property
     def sampling_defaults(self) -> dict:
@@ -159,8 +162,10 @@ class ChatModel:
         return self.rotary is not None or self.rotary_error is not None
 
     @classmethod
-    def from_pretrained_model(cls, model, tokenizer, name: str = "model", chat_template: str | None = None):
-        """Wrap an already-built model (tests build tiny ones from configs)."""
+    def from_pretrained_model(cls, model, tokenizer, name: str = "model", chat_template: str | None = None,
+                              decode: str = "auto"):
+        """Wrap an already-built model (tests build tiny ones from configs); its weights as they will be held
+        (``weights.apply`` first), since the decode step reads them (``decode``: core/step.py)."""
         impl = attention.register()
         model.set_attn_implementation(impl)
         model.eval()
@@ -181,8 +186,10 @@ class ChatModel:
         if closing_ids and closing_ids[0] in set(getattr(tokenizer, "all_special_ids", [])):
             stop.add(closing_ids[0])  # e.g. <|im_end|>, which ends an assistant turn in ChatML
         param = next(model.parameters())
+        held = "half" if any(isinstance(m, weight_formats.HalfLinear) for m in model.modules()) else "model"
         return cls(model, tokenizer, chat, name, param.device, param.dtype, rotary, rotary_error,
-                   int(max_positions), frozenset(int(s) for s in stop), _generation_defaults(model))
+                   int(max_positions), frozenset(int(s) for s in stop), _generation_defaults(model), weights=held,
+                   step=DecodeStep.build(model, decode))
 
 
 def _generation_defaults(model) -> dict:
@@ -196,8 +203,9 @@ def _generation_defaults(model) -> dict:
 
 
 def load(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto", device_map: str | None = None,
-         chat_template: str | None = None, weights: str = "auto") -> ChatModel:
-    """Load a chat model; ModelError with a one-line reason when it cannot be. ``weights``: core/weights.py."""
+         chat_template: str | None = None, weights: str = "auto", decode: str = "auto") -> ChatModel:
+    """Load a chat model; ModelError with a one-line reason when it cannot be. ``weights``: core/weights.py,
+    ``decode``: core/step.py."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve(spec)
@@ -205,6 +213,8 @@ def load(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto", d
     torch_dtype = pick_dtype(dtype, dev)
     try:
         held = weight_formats.resolve(weights, dev, torch_dtype)
+        if decode not in DECODE:
+            raise ValueError(f"unknown decode {decode!r} ({', '.join(DECODE)})")
     except ValueError as exc:
         raise ModelError(str(exc)) from None
     impl = attention.register()
@@ -225,9 +235,9 @@ def load(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto", d
             raise ModelError(f"no such chat template file: {chat_template}")
         chat_template = template_path.read_text(encoding="utf-8")
     name = DEFAULT_MODEL_NAME if spec in (DEFAULT_MODEL, DEFAULT_MODEL_NAME) else str(spec)
+    weight_formats.apply(model, held)
     try:
-        cm = ChatModel.from_pretrained_model(model, tokenizer, name=name, chat_template=chat_template)
+        return ChatModel.from_pretrained_model(model, tokenizer, name=name, chat_template=chat_template,
+                                               decode=decode)
     except ValueError as exc:
         raise ModelError(str(exc)) from None
-    cm.weights = weight_formats.apply(model, held)
-    return cm

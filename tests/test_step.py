@@ -1,0 +1,124 @@
+"""The one-token decode step (core/step.py) computes what the model's forward computes, on kvchat's cache."""
+
+import copy
+
+import pytest
+import torch
+
+from kvchat.core import weights
+from kvchat.core.models import ChatModel
+from kvchat.core.session import Sampling, Session
+from kvchat.core.settings import Settings
+from kvchat.core.step import DecodeStep, Norm
+
+from tinymodels import build_tiny
+
+FAMILIES = ["llama", "qwen2", "mistral", "llama3-scaled"]  # qwen2: q/k/v biases; llama3-scaled: another rope type
+
+
+def _models(arch, tokenizer, held):
+    model = build_tiny(arch, tokenizer)
+    weights.apply(model, held)
+    fast = ChatModel.from_pretrained_model(model, tokenizer, name="fast")
+    slow = ChatModel.from_pretrained_model(copy.deepcopy(model), tokenizer, name="slow", decode="model")
+    assert fast.step is not None and slow.step is None
+    return fast, slow
+
+
+@pytest.mark.parametrize("held", ["model", "half"])
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_step_gives_the_models_logits_and_cache(arch, held, tokenizer):
+    fast, slow = _models(arch, tokenizer, held)
+    sessions = [Session(cm, Settings(policy="h2o", budget=40, slack=4), system=None,
+                        sampling=Sampling(temperature=0.0)) for cm in (fast, slow)]
+    torch.manual_seed(1)
+    prompt = torch.randint(10, 1000, (30,)).tolist()
+    for s in sessions:
+        s.feed_raw(prompt, score=False)
+    idx = len(sessions[0].messages) - 1
+    token = int(sessions[0].last_logits.argmax())
+    for _ in range(20):  # past the budget: compressions, h2o's statistics, re-rotated keys
+        logits = [s._feed([([token], idx)], continue_message=True)[0] for s in sessions]
+        torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+        token = int(logits[1].argmax())
+    a, b = (s.cache.layers[1] for s in sessions)
+    assert a.lens == b.lens and torch.equal(a.abs_pos, b.abs_pos)
+    n = a.lens[0]
+    torch.testing.assert_close(a.keys.view(a.heads, -1, a.keys.shape[-1])[:, :n],
+                               b.keys.view(b.heads, -1, b.keys.shape[-1])[:, :n], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(a.stats["acc"], b.stats["acc"], atol=1e-5, rtol=1e-5)
+    assert sessions[0].evicted_total > 0
+
+
+def test_greedy_replies_are_the_models(tokenizer):
+    fast, slow = _models("llama", tokenizer, "half")
+    greedy = Sampling(max_new_tokens=16, temperature=0.0)
+    replies = []
+    for cm in (fast, slow):
+        session = Session(cm, Settings(policy="streaming", budget=48, window=16, slack=6), sampling=greedy)
+        replies.append([session.chat(f"Q{i} " + "tok " * 30).answer for i in range(3)])
+    assert replies[0] == replies[1]
+
+
+def test_heads_of_different_lengths(tokenizer):
+    """Heads of one layer holding different numbers of positions (what per-head budgets leave) step as the model."""
+    fast, slow = _models("qwen2", tokenizer, "model")
+    sessions = [Session(cm, Settings(policy="window", budget=100), system=None) for cm in (fast, slow)]
+    torch.manual_seed(2)
+    prompt = torch.randint(10, 1000, (30,)).tolist()
+    for s in sessions:
+        s.feed_raw(prompt, score=False)
+        for layer in s.cache.layers:  # head 0 forgets its first 7 positions
+            layer.keep([torch.arange(7, 30), torch.arange(30)])
+        assert not s.cache.layers[0].uniform
+    idx = len(sessions[0].messages) - 1
+    token = 5
+    for _ in range(5):
+        logits = [s._feed([([token], idx)], continue_message=True)[0] for s in sessions]
+        torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+        token = int(logits[1].argmax())
+    assert sessions[0].cache.layers[1].lens == [28, 35]
+
+
+def test_fused_projections_share_the_fp16_copies(tokenizer):
+    model = build_tiny("qwen2", tokenizer)
+    weights.apply(model, "half")
+    before = weights.step_bytes(model)
+    step = DecodeStep(model)
+    attn = model.model.layers[0].self_attn
+    fused = step.layers[0].qkv.weight
+    assert attn.k_proj.step.data_ptr() == fused[attn.q_proj.out_features:].data_ptr()
+    assert weights.step_bytes(model) == before
+    x = torch.randn(1, 1, model.config.hidden_size)
+    with torch.no_grad():
+        want = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1)
+        assert torch.equal(step.layers[0].qkv(x), want)
+        with weights.as_loaded(model):  # the loaded weights, as HalfLinear reads them then
+            want = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], -1)
+            assert torch.equal(step.layers[0].qkv(x), want)
+
+
+@pytest.mark.parametrize("size", [64, 576, 896])
+def test_fused_norm_is_the_models_norm_bit_for_bit(size):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    torch.manual_seed(size)
+    module = LlamaRMSNorm(size, eps=1e-5)
+    module.weight.data = torch.randn(size)
+    norm = Norm(module)
+    assert norm.fused
+    for scale in (1e-3, 1.0, 1e3):
+        x = torch.randn(1, 1, size) * scale
+        assert torch.equal(norm(x), module(x))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt-neox", "phi3", "gemma"])
+def test_other_architectures_decode_through_the_models_forward(arch, tokenizer):
+    model = build_tiny(arch, tokenizer)
+    assert DecodeStep.unsupported(model)
+    assert ChatModel.from_pretrained_model(model, tokenizer).step is None
+
+
+def test_unknown_decode_is_refused(tokenizer):
+    with pytest.raises(ValueError, match="unknown decode 'fast'"):
+        DecodeStep.build(build_tiny("llama", tokenizer), "fast")
