@@ -61,7 +61,10 @@ class Observer:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._queries.values())
 
-    def __call__(self, module, query: torch.Tensor, key, scaling: float | None) -> None:
+    def __call__(self, module, query: torch.Tensor, key, scaling: float | None,
+                 probs: list[torch.Tensor] | None = None) -> None:
+        """``probs``: a decode step's attention probabilities as the attention function computed them ([KV heads,
+        groups, n], one entry per head for ragged heads), so ``acc`` needs no second pass over the keys."""
         layer_idx = module.layer_idx
         head_dim = query.shape[-1]
         scaling = scaling if scaling is not None else head_dim ** -0.5
@@ -69,7 +72,7 @@ class Observer:
         if self.window:
             self._remember(layer_idx, query)
         if self.accumulate:
-            self._accumulate(self.cache.layers[layer_idx], query, key, scaling)
+            self._accumulate(self.cache.layers[layer_idx], query, key, scaling, probs)
 
     def _remember(self, layer_idx: int, query: torch.Tensor) -> None:
         w = self.window
@@ -85,11 +88,18 @@ class Observer:
         self._qpos[layer_idx] = torch.cat([self._qpos[layer_idx][take:], pos.to(new.device)])
         self._count[layer_idx] = min(w, self._count[layer_idx] + take)
 
-    def _accumulate(self, layer, query: torch.Tensor, key, scaling: float) -> None:
+    def _accumulate(self, layer, query: torch.Tensor, key, scaling: float, probs=None) -> None:
         acc = layer.ensure_stat("acc")
         heads = layer.heads
         groups = query.shape[1] // heads
         q = query.shape[2]
+        if probs is not None:  # a decode step's probabilities, averaged over the query heads of each KV head
+            if isinstance(key, RaggedKV):
+                for h, p in enumerate(probs):
+                    layer.head_view(acc, h).add_(p[0].mean(0))
+            else:
+                acc.view(heads, layer.caps[0])[:, : key.shape[2]] += probs[0].mean(1)
+            return
         if isinstance(key, RaggedKV):
             for h, k in enumerate(key.heads):
                 qh = query[0, h * groups: (h + 1) * groups].float()  # [groups, q, dim]
