@@ -10,7 +10,8 @@ as much as the products themselves (README, Speed). ``DecodeStep`` runs the same
 * q/k/v and gate/up as one product each: with ``--weights half`` their fp16 copies are concatenated once and the
   ``HalfLinear`` layers keep views into the concatenation (no extra memory); with the weights as loaded each
   projection is its own product, as in the model;
-* the rotary embedding of queries and keys in one pass (the model's formula, ``x * cos + rotate_half(x) * sin``);
+* the rotary embedding of queries and keys in one pass (the model's formula, ``x * cos + rotate_half(x) * sin``,
+  in three kernels);
 * kvchat's cache update and attention function, exactly as the model's forward calls them (``KVCache.update``,
   ``kvchat_attention`` with the observer), so policies, statistics and the archive see what they always see.
 
@@ -54,10 +55,14 @@ class Projections:
                                                                                  device=m.weight.device)
                                    for b, m in zip(biases, linears)])
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, widen: bool = True) -> torch.Tensor:
+        """``widen=False``: an fp16 product is returned as it is (without a bias), for a sum that widens it anyway
+        (``x + out`` computes ``x + out.float()`` exactly, in one kernel)."""
         if self.halves and self.linears[0].use_step:  # as HalfLinear computes it, for all of them at once
-            out = F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
-            return out if self.bias is None else out + self.bias
+            out = F.linear(x.to(self.weight.dtype), self.weight)
+            if self.bias is not None:
+                return out.to(x.dtype) + self.bias
+            return out.to(x.dtype) if widen else out
         outs = [F.linear(x, m.weight, m.bias) for m in self.linears]
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
@@ -92,11 +97,6 @@ class _Layer:
         self.act = mlp.act_fn
         self.split = (attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features)
         self.inner = mlp.gate_proj.out_features
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class DecodeStep:
@@ -135,19 +135,21 @@ class DecodeStep:
         """Logits [1, vocab] for one token id (``token``, shape [1]) at ``position`` ([1]) on top of ``cache``."""
         x = self.embed(token[None])  # [1, 1, hidden]
         cos, sin = self.rotary(x, position[None])  # [1, 1, head_dim]
-        cos, sin = cos[:, None], sin[:, None]
-        d = self.head_dim
+        d, half = self.head_dim, self.head_dim // 2
+        # The model's x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), as x * cos + roll(x) * sin'
+        # with sin' = cat(-sin1, sin2): the same products ((-a) * b is a * (-b) exactly) in three kernels, not six.
+        cos, sin = cos[:, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]
         extra = {"kvchat_observer": observer} if observer is not None else {}
         for i, lay in enumerate(self.layers):
             nq, nk, _ = lay.split
             qkv = lay.qkv(lay.norm1(x))
             qk = qkv[..., : nq + nk].view(1, -1, 1, d)  # [1, query + key heads, 1, d]
-            qk = qk * cos + _rotate_half(qk) * sin
+            qk = qk * cos + qk.roll(half, -1) * sin
             q, k = qk[:, : nq // d], qk[:, nq // d:]
             v = qkv[..., nq + nk:].view(1, -1, 1, d)
             keys, values = cache.layers[i].update(k, v)
             out, _ = kvchat_attention(lay.attn, q, keys, values, None, scaling=lay.attn.scaling, **extra)
-            x = x + lay.o(out.reshape(1, 1, -1))
+            x = x + lay.o(out.reshape(1, 1, -1), widen=False)
             gu = lay.gate_up(lay.norm2(x))
-            x = x + lay.down(lay.act(gu[..., : lay.inner]) * gu[..., lay.inner:])
+            x = x + lay.down(lay.act(gu[..., : lay.inner]) * gu[..., lay.inner:], widen=False)
         return self.head(self.norm(x))[0]

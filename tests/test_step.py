@@ -39,7 +39,10 @@ def test_step_gives_the_models_logits_and_cache(arch, held, tokenizer):
     token = int(sessions[0].last_logits.argmax())
     for _ in range(20):  # past the budget: compressions, h2o's statistics, re-rotated keys
         logits = [s._feed([([token], idx)], continue_message=True)[0] for s in sessions]
-        torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+        if held == "model":  # the same operations in the same order: bit for bit
+            assert torch.equal(logits[0], logits[1])
+        else:  # one fp16 product for q/k/v (gate/up) instead of three (two): the kernels may sum in another order
+            torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
         token = int(logits[1].argmax())
     a, b = (s.cache.layers[1] for s in sessions)
     assert a.lens == b.lens and torch.equal(a.abs_pos, b.abs_pos)
