@@ -8,11 +8,15 @@ history. The full cache gets its own session (up to the model's max positions). 
 the attention observer give the policy bookkeeping as a share of the decode time. The StreamingLLM paper's
 baseline, sliding window with recomputation, re-encodes the last ``--budget`` tokens from scratch for each
 generated token. The roofline ratio compares a measured decode step with (bytes of the weights a step reads + kept
-KV bytes) / the memory bandwidth, which the bench measures itself (a large tensor copy). A bare transformers loop
-(DynamicCache, SDPA, greedy: what ``generate`` does per token, without its processors) at the same history, where
-it fits the model's positions, runs twice on the same model object: with kvchat's weights, and with the fp16 copies
-of ``--weights half`` switched off (the weights as transformers loads them, ``weights.as_loaded``). TTFT (prefill of the user message until the first token's logits) is
-measured for messages of ``--ttft-prompts`` tokens at turns ``--ttft-turns`` of a chat of FastChat exchanges.
+KV bytes) / the memory bandwidth, which the bench measures itself (a large tensor copy, at the start and the end;
+the larger counts). A bare transformers loop (DynamicCache, SDPA, greedy: what ``generate`` does per token, without
+its processors; ``Reference``) holding as many positions as the bounded caches runs beside every policy: blocks of
+its steps are timed between blocks of the policy's, so both see the same machine (this one's speed drifts by tens
+of percent within minutes); ``speedup`` is its median step over the policy's. The same loop at each history, where
+it fits the model's positions, runs twice on the same model object: with kvchat's weights, and with the fp16
+copies of ``--weights half`` switched off (the weights as transformers loads them, ``weights.as_loaded``). TTFT
+(prefill of the user message until the first token's logits) is measured for messages of ``--ttft-prompts`` tokens
+at turns ``--ttft-turns`` of a chat of FastChat exchanges.
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from .common import Run, data_dir, fastchat_pairs, log, read_text, save_figure
 NAME = "speed"
 TITLE = "Speed"
 BOUNDED = [p for p, cls in POLICIES.items() if cls.bounded]
-TRANSFORMERS = {"transformers": "transformers, same weights", "transformers_model_weights": "transformers, fp32 weights"}
+TRANSFORMERS = {"transformers": "transformers, same weights",
+                "transformers_model_weights": "transformers, fp32 weights"}
 QUICK = {"lengths": [300, 900], "budget": 256, "steps": 6, "prompt": 64, "policies": ["streaming", "h2o"],
          "recompute_lengths": 1, "recompute_steps": 2, "ttft_turns": [2, 6], "ttft_prompts": [30, 120]}
 
@@ -67,9 +72,57 @@ def bandwidth_gbs(mb: int = 256, repeats: int = 5) -> float:
     return 2 * src.numel() * 4 / best / 1e9
 
 
-def timed_turn(session: Session, prompt: str, steps: int) -> dict:
+class Reference:
+    """A bare transformers decode loop (DynamicCache, SDPA, greedy: what ``generate`` does per token, without its
+    processors) on ``ids``, kept open so that its steps can be timed in blocks between kvchat's: on a machine whose
+    speed drifts by tens of percent within minutes, only steps taken side by side compare."""
+
+    def __init__(self, cm, ids: list[int]):
+        from transformers import DynamicCache
+
+        self.cm, self.length = cm, len(ids)
+        with self._sdpa():
+            self.cache = DynamicCache(config=cm.model.config)
+            out = cm.model(input_ids=torch.tensor([ids]).to(cm.device), past_key_values=self.cache, use_cache=True,
+                           logits_to_keep=1)
+            self.first = self.token = out.logits[:, -1:].argmax(-1)
+
+    @contextlib.contextmanager
+    def _sdpa(self):
+        self.cm.model.set_attn_implementation("sdpa")
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            self.cm.model.set_attn_implementation("kvchat")
+
+    def rewind(self) -> None:
+        """Back to the prefilled ``ids`` (the cache cropped), so every measurement starts at the same length."""
+        extra = self.cache.get_seq_length() - self.length
+        if extra:
+            self.cache.crop(-extra)
+        self.token = self.first
+
+    def steps(self, n: int) -> list[float]:
+        times = []
+        with self._sdpa():
+            for _ in range(n):
+                t = time.perf_counter()
+                out = self.cm.model(input_ids=self.token, past_key_values=self.cache, use_cache=True,
+                                    logits_to_keep=1)
+                self.token = out.logits[:, -1:].argmax(-1)
+                times.append(time.perf_counter() - t)
+        return times
+
+
+def timed_turn(session: Session, prompt: str, steps: int, reference: Reference | None = None,
+               block: int = 8) -> dict:
     """One user turn with exactly ``steps`` decoded tokens: prefill ms, decode ms/token (the median step, so that a
-    shared machine's occasional stalls do not move it), bookkeeping share of the summed decode steps."""
+    shared machine's occasional stalls do not move it), bookkeeping share of the summed decode steps. With
+    ``reference``, ``block`` of its steps are timed after every ``block`` decoded tokens (``reference_ms``, the
+    median, and ``speedup``, reference / kvchat)."""
+    beside: list[float] = []
+    block = min(block, steps)
     book: list[float] = []  # compressions and attention bookkeeping, from the first decoded token on
     feeds: list[float] = []  # every forward of the turn with the compressions before it: the prompt's prefill
     # chunks, one per decoded token, the closing tokens
@@ -107,10 +160,14 @@ def timed_turn(session: Session, prompt: str, steps: int) -> dict:
                 stack.enter_context(patch)
             gen = session.reply(prompt, max_new_tokens=steps + 1, temperature=0.0)
             prefill_forwards = None
+            mark = block
             for _ in gen:
                 if prefill_forwards is None:  # the prompt's prefill (and its compressions) is over
                     book.clear()
                     prefill_forwards = len(feeds)
+                if reference is not None and len(feeds) - prefill_forwards >= mark and len(beside) < steps:
+                    beside += reference.steps(block)
+                    mark += block
         res = session.history[-1]
     finally:
         cm.stop_ids = stop_ids
@@ -118,34 +175,20 @@ def timed_turn(session: Session, prompt: str, steps: int) -> dict:
     decode = feeds[prefill_forwards: prefill_forwards + steps]  # after them, the turn's closing tokens are fed
     if len(decode) != steps:
         raise RuntimeError(f"expected {steps} decode steps, timed {len(decode)}")
-    return {"prefill_ms": res.prefill_ms, "prompt_tokens": res.prompt_tokens,
-            "decode_ms_per_token": 1000 * statistics.median(decode), "decode_ms_mean": 1000 * statistics.mean(decode),
-            "bookkeeping": sum(book) / sum(decode),
-            "cache_tokens": session.cache_tokens, "kv_bytes": session.cache_now()["kv_bytes"]}
+    out = {"prefill_ms": res.prefill_ms, "prompt_tokens": res.prompt_tokens,
+           "decode_ms_per_token": 1000 * statistics.median(decode), "decode_ms_mean": 1000 * statistics.mean(decode),
+           "bookkeeping": sum(book) / sum(decode),
+           "cache_tokens": session.cache_tokens, "kv_bytes": session.cache_now()["kv_bytes"]}
+    if beside:
+        out.update(reference_ms=1000 * statistics.median(beside), reference_tokens=reference.length,
+                   speedup=statistics.median(beside) / statistics.median(decode))
+    return out
 
 
 def transformers_ms(cm, ids: list[int], steps: int) -> float:
     """A bare transformers loop for reference: ``ids`` prefilled into a DynamicCache (SDPA), then greedy decode
     steps; median ms per step."""
-    from transformers import DynamicCache
-
-    model = cm.model
-    model.set_attn_implementation("sdpa")
-    times = []
-    try:
-        with torch.no_grad():
-            cache = DynamicCache(config=model.config)
-            out = model(input_ids=torch.tensor([ids]).to(cm.device), past_key_values=cache, use_cache=True,
-                        logits_to_keep=1)
-            token = out.logits[:, -1:].argmax(-1)
-            for _ in range(steps):
-                t = time.perf_counter()
-                out = model(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                token = out.logits[:, -1:].argmax(-1)
-                times.append(time.perf_counter() - t)
-    finally:
-        model.set_attn_implementation("kvchat")
-    return 1000 * statistics.median(times)
+    return 1000 * statistics.median(Reference(cm, ids).steps(steps))
 
 
 def recompute_ms(cm, ids: list[int], window: int, steps: int) -> float:
@@ -179,14 +222,19 @@ def run(args, run: Run, cm) -> None:
     log(f"speed: memory bandwidth {bw:.1f} GB/s, a decode step reads {weights / 2**20:.0f} MiB of weights "
         f"(--weights {cm.weights})")
 
+    def roofline(row: dict, gbs: float) -> None:
+        row["roofline_ms"] = 1000 * (weights + row["kv_bytes"]) / (gbs * 1e9)
+        row["roofline_ratio"] = row["decode_ms_per_token"] / row["roofline_ms"]
+
     def record(policy: str, length: int, m: dict) -> None:
-        roofline_ms = 1000 * (weights + m["kv_bytes"]) / (bw * 1e9)
-        row = {"policy": policy, "length": length, **m, "roofline_ms": roofline_ms,
-               "roofline_ratio": m["decode_ms_per_token"] / roofline_ms}
+        row = {"policy": policy, "length": length, **m}
+        roofline(row, bw)
         rows.append(row)
+        beside = (f", transformers beside it {m['reference_ms']:.1f} ms/token at {m['reference_tokens']} positions "
+                  f"(x{m['speedup']:.2f})" if "speedup" in m else "")
         log(f"speed {policy:10s} history {length:6d}: decode {m['decode_ms_per_token']:6.1f} ms/token "
             f"(bookkeeping {100 * m['bookkeeping']:4.1f}%, roofline x{row['roofline_ratio']:.1f}), prefill "
-            f"{m['prefill_ms']:7.0f} ms / {m['prompt_tokens']} tokens, cache {m['cache_tokens']}")
+            f"{m['prefill_ms']:7.0f} ms / {m['prompt_tokens']} tokens, cache {m['cache_tokens']}{beside}")
 
     def grow(session: Session, target: int) -> None:
         while session.total_tokens < target:
@@ -196,13 +244,17 @@ def run(args, run: Run, cm) -> None:
     base = Settings(policy="streaming", budget=args.budget)
     session = Session(cm, base, system=None, sampling=Sampling(temperature=0.0), undo=True)
     grow(session, min(args.lengths))
-    timed_turn(session, prompt, args.steps)  # warm-up (first-call costs), not recorded
+    warm = timed_turn(session, prompt, args.steps)  # warm-up (first-call costs), not recorded
     session.undo()
+    # transformers at the bounded caches' length, its steps timed in blocks between each policy's decode steps
+    reference = Reference(cm, text[: warm["cache_tokens"]])
+    reference.steps(4)
     for length in sorted(args.lengths):
         grow(session, length)
         for p in args.policies:
             session.configure(policy=p)
-            record(p, length, timed_turn(session, prompt, args.steps))
+            reference.rewind()
+            record(p, length, timed_turn(session, prompt, args.steps, reference))
             session.undo()
             session.configure(policy="streaming")
     del session
@@ -250,6 +302,15 @@ def run(args, run: Run, cm) -> None:
         rows.append({"policy": "recompute", "length": length, "decode_ms_per_token": ms, "window": args.budget})
         log(f"speed recompute  history {length:6d}: {ms:.0f} ms/token (re-encoding {args.budget} tokens)")
 
+    # The copy's bandwidth also drifts: the rooflines use the larger of the measurements at the start and the end.
+    end_bw = bandwidth_gbs()
+    run.rows["bandwidth_gbs_measured"] = [bw, end_bw]
+    if end_bw > bw:
+        bw = run.rows["bandwidth_gbs"] = end_bw
+        for row in rows:
+            if "kv_bytes" in row:
+                roofline(row, bw)
+    log(f"speed: memory bandwidth {end_bw:.1f} GB/s at the end; rooflines at {bw:.1f} GB/s")
     for p in args.policies:
         ms = [r["decode_ms_per_token"] for r in rows if r["policy"] == p]
         run.check(f"{p} decode flat", max(ms) < 2 * min(ms),
@@ -308,6 +369,19 @@ def markdown(result: dict) -> str:
         book = statistics.mean(r["bookkeeping"] for r in cells.values())
         lines.append(f"| {p} | {dec} | {pre} | {100 * book:.1f}% | {last['roofline_ms']:.1f} | "
                      f"{last['roofline_ratio']:.1f} |")
+    beside = [r for r in own if "speedup" in r]
+    if beside:
+        blengths = sorted({r["length"] for r in beside})
+        held = beside[0]["reference_tokens"]
+        lines += ["", f"Beside transformers at the same cache length (a bare loop holding {held} positions, "
+                  "DynamicCache, SDPA, the same weights; blocks of its steps timed between blocks of the policy's): "
+                  "kvchat ms/token / transformers ms/token = speedup.", "",
+                  "| policy | " + " | ".join(f"@ {n}" for n in blengths) + " |", "| --- " * (len(blengths) + 1) + "|"]
+        for p in dict.fromkeys(r["policy"] for r in beside):
+            cells = {r["length"]: r for r in beside if r["policy"] == p}
+            lines.append(f"| {p} | " + " | ".join(
+                f"{cells[n]['decode_ms_per_token']:.1f} / {cells[n]['reference_ms']:.1f} = "
+                f"{cells[n]['speedup']:.2f}x" if n in cells else "–" for n in blengths) + " |")
     for name, label in TRANSFORMERS.items():
         bare = [r for r in rows if r["policy"] == name]
         if not bare:
