@@ -46,7 +46,8 @@ def test_quick_sizes_apply_only_where_left_at_default():
 
     from kvchat.bench import ppl
 
-    args = argparse.Namespace(quick=True, out="x", json=False, model="default", weights="auto", tokens=777,
+    args = argparse.Namespace(quick=True, out="x", json=False, model="default", weights="auto", decode="auto",
+                              tokens=777,
                               **{k: v for k, v in bench_cli._defaults(ppl).items() if k != "tokens"})
     ns = bench_cli._resolve(ppl, args)
     assert ns.tokens == 777  # set by the user
