@@ -82,6 +82,28 @@ def test_several_scripts_one_model_load(model_dir, tmp_path, capsys):
     assert len(Store(tmp_path / "kv.db").conversations()) == 2
 
 
+def test_decode_through_the_model_replays_the_same_chat(model_dir, tmp_path, capsys, monkeypatch):
+    """--decode model (every step through the model's forward) and the default step give the same greedy replies."""
+    from kvchat.core.step import DecodeStep
+
+    steps = []
+    step = DecodeStep.__call__
+    monkeypatch.setattr(DecodeStep, "__call__", lambda self, *a, **k: steps.append(1) or step(self, *a, **k))
+    script = _write(tmp_path / "s.jsonl", SCRIPT)
+    answers, counts = [], []
+    for decode in ("auto", "model"):
+        code, out, _ = _run(capsys, "replay", script, "--model", model_dir, "--budget", 48, "--window", 8, "--slack",
+                            6, "--max-new-tokens", 8, "--temperature", 0, "--no-save", "--json", "--decode", decode)
+        assert code == 0
+        answers.append([json.loads(x)["answer"] for x in out.splitlines()[:-1]])
+        counts.append(len(steps))
+    assert counts[0] > 0 and counts[1] == counts[0]  # the step ran with auto only
+    assert answers[0] == answers[1] and any(answers[0])
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", str(script), "--model", str(model_dir), "--decode", "fast"])
+    assert exc.value.code == 2 and "invalid choice: 'fast'" in capsys.readouterr().err
+
+
 def test_human_readable_replay(model_dir, tmp_path, capsys):
     code, out, err = _run(capsys, "replay", _write(tmp_path / "s.jsonl", SCRIPT[:3]), "--model", model_dir,
                           "--budget", 64, "--no-save")
