@@ -110,9 +110,7 @@ class ReadMark:
         return cls(
             lens=[list(layer.lens) for layer in layers],
             stats=[{name: t.clone() for name, t in layer.stats.items()} for layer in layers],
-            # the observer replaces its window tensors rather than writing into them: references suffice
-            observer=(dict(observer._queries), dict(observer._qpos), dict(observer._count), dict(observer._scaling))
-            if observer is not None else None,
+            observer=observer.mark() if observer is not None else None,
             log_n=session.log.n, sentence=session.log.sentence, last_logits=session.last_logits,
         )
 
@@ -125,7 +123,6 @@ class ReadMark:
                 else:  # a statistic the read started: nothing held before it had any
                     t.zero_()
         if self.observer is not None:
-            observer = session.observer
-            observer._queries, observer._qpos, observer._count, observer._scaling = self.observer
+            session.observer.restore(self.observer)
         session.log.truncate(self.log_n, self.sentence)
         session.last_logits = self.last_logits

@@ -35,8 +35,22 @@ class Observer:
         self._qpos: dict[int, torch.Tensor] = {}  # layer -> [window] positions of those queries
         self._count: dict[int, int] = {}
         self._scaling: dict[int, float] = {}
+        #: layer -> decode steps' (query, positions) not yet copied into the window (``_flush``)
+        self._pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def mark(self) -> tuple:
+        """The query window as it is now, for ``restore`` (references: window tensors are replaced, never written
+        into)."""
+        self._flush()
+        return dict(self._queries), dict(self._qpos), dict(self._count), dict(self._scaling)
+
+    def restore(self, mark: tuple) -> None:
+        """Back to the window of ``mark``: what was observed since is forgotten."""
+        self._queries, self._qpos, self._count, self._scaling = (dict(d) for d in mark)
+        self._pending = {}
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
+        self._flush()
         out = {}
         for li, queries in self._queries.items():
             out[f"obs.{li}.queries"] = queries.contiguous()
@@ -45,6 +59,7 @@ class Observer:
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], device) -> None:
+        self._pending = {}
         for key, t in tensors.items():
             parts = key.split(".")
             if parts[0] != "obs" or parts[2] != "queries":
@@ -59,6 +74,7 @@ class Observer:
 
     @property
     def nbytes(self) -> int:
+        self._flush()
         return sum(t.numel() * t.element_size() for t in self._queries.values())
 
     def __call__(self, module, query: torch.Tensor, key, scaling: float | None,
@@ -75,10 +91,32 @@ class Observer:
             self._accumulate(self.cache.layers[layer_idx], query, key, scaling, probs)
 
     def _remember(self, layer_idx: int, query: torch.Tensor) -> None:
+        if query.shape[2] == 1:
+            # A decode step: its query joins the window when the window is next read (a compression, a turn's
+            # saved state, a mark) or after ``window`` steps, all of them in one copy; until then it is kept as it
+            # is (attention creates the query anew every step and never writes into it).
+            steps = self._pending.setdefault(layer_idx, [])
+            steps.append((query, self.positions))
+            if len(steps) >= self.window:
+                self._flush(layer_idx)
+            return
+        self._flush(layer_idx)
+        take = min(query.shape[2], self.window)
+        self._append(layer_idx, query[0, :, -take:].transpose(0, 1), self.positions[-take:])
+
+    def _flush(self, layer_idx: int | None = None) -> None:
+        """Copy the pending decode steps' queries into the window (of ``layer_idx``, or of every layer)."""
+        for li in [layer_idx] if layer_idx is not None else list(self._pending):
+            steps = self._pending.pop(li, None)
+            if steps:
+                self._append(li, torch.stack([q[0, :, -1] for q, _ in steps]),
+                             torch.cat([p[-1:] for _, p in steps]))
+
+    def _append(self, layer_idx: int, new: torch.Tensor, pos: torch.Tensor) -> None:
+        """The window after ``new`` ([take <= window, heads, dim], at positions ``pos``): the oldest rows leave."""
         w = self.window
-        take = min(query.shape[2], w)
-        new = query[0, :, -take:].transpose(0, 1).float()  # [take, heads, dim]
-        pos = self.positions[-take:].float()
+        take = new.shape[0]
+        new, pos = new.float(), pos.float()
         buf = self._queries.get(layer_idx)
         if buf is None or buf.shape[1:] != new.shape[1:]:
             buf = torch.zeros(w, *new.shape[1:], device=new.device)
@@ -118,6 +156,7 @@ class Observer:
     def window_attention(self, layer_idx: int, rotary: Rotary | None, next_pos: int | None) -> torch.Tensor | None:
         """Attention of the remembered queries over layer ``layer_idx``'s current keys: [heads, rows, max_len]
         (rows = queries remembered, oldest first; zeros where a shorter head holds nothing)."""
+        self._flush(layer_idx)
         count = self._count.get(layer_idx, 0)
         if not count:
             return None

@@ -243,3 +243,39 @@ def test_switching_live_through_every_policy(tiny):
             for layer in session.cache.layers:
                 assert all(n <= c for n, c in zip(layer.lens, layer.caps))
     assert session.stats()["policy"] == "headaware"
+
+
+def test_observer_window_holds_the_latest_queries_exactly(tiny, monkeypatch):
+    """Decode steps' queries join the window lazily (core/observe.py): what a compression, a saved state or a mark
+    reads is exactly the last ``obs_window`` query rows seen, and a mark's restore forgets the rows after it."""
+    from kvchat.core.observe import Observer
+
+    seen: dict[int, list] = {}
+    call = Observer.__call__
+
+    def spy(self, module, query, key, scaling, probs=None):
+        seen.setdefault(module.layer_idx, []).append((query[0].transpose(0, 1).clone(), self.positions.clone()))
+        return call(self, module, query, key, scaling, probs)
+
+    monkeypatch.setattr(Observer, "__call__", spy)
+    session = Session(tiny("llama"), Settings(policy="snapkv", budget=400, params={"obs_window": 8}),
+                      sampling=Sampling(max_new_tokens=12, temperature=0.0))
+    session.chat("Tell me about the sea and its ships.")  # a prefill, then decode steps
+
+    def expected(layer):
+        rows = torch.cat([q for q, _ in seen[layer]])[-8:]
+        pos = torch.cat([p for _, p in seen[layer]])[-8:].float()
+        return rows, pos
+
+    state = session.observer.state_tensors()
+    for layer in seen:
+        rows, pos = expected(layer)
+        assert torch.equal(state[f"obs.{layer}.queries"], rows) and torch.equal(state[f"obs.{layer}.qpos"], pos)
+    mark = session.observer.mark()
+    before = {k: t.clone() for k, t in session.observer.state_tensors().items()}
+    for token in (5, 6, 7):  # decode steps whose queries are still pending when the mark is restored
+        session._feed([([token], len(session.messages) - 1)], continue_message=True)
+    assert session.observer._pending
+    session.observer.restore(mark)
+    after = session.observer.state_tensors()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
