@@ -53,6 +53,23 @@ def test_step_gives_the_models_logits_and_cache(arch, held, tokenizer):
     assert sessions[0].evicted_total > 0
 
 
+def test_step_in_bf16_is_the_models(tokenizer):
+    """A bf16 model (what GPUs load): the model's norm modules and transformers' SDPA attention, as in its forward."""
+    model = build_tiny("qwen2", tokenizer).to(torch.bfloat16)
+    fast = ChatModel.from_pretrained_model(model, tokenizer, name="fast")
+    slow = ChatModel.from_pretrained_model(copy.deepcopy(model), tokenizer, name="slow", decode="model")
+    sessions = [Session(cm, Settings(policy="h2o", budget=40, slack=4), system=None) for cm in (fast, slow)]
+    torch.manual_seed(3)
+    prompt = torch.randint(10, 1000, (30,)).tolist()
+    for s in sessions:
+        s.feed_raw(prompt, score=False)
+    token = 5
+    for _ in range(12):
+        logits = [s._feed([([token], len(s.messages) - 1)], continue_message=True)[0] for s in sessions]
+        assert logits[0].dtype == torch.bfloat16 and torch.equal(logits[0], logits[1])
+        token = int(logits[1].argmax())
+
+
 def test_greedy_replies_are_the_models(tokenizer):
     fast, slow = _models("llama", tokenizer, "half")
     greedy = Sampling(max_new_tokens=16, temperature=0.0)
