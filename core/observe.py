@@ -11,8 +11,10 @@ Two statistics, each only when the running policy asks for it:
   ask about the cache as it is now. In a chat the newest queries are the end of the user's message (or the reply
   being written), so the question chooses what stays.
 
-Nothing N x N is kept: decode steps cost one [query heads x n] product per layer for ``acc``, and a copy of the
-query for ``window``.
+Nothing N x N is kept. A decode step on the CPU costs, for ``acc``, the average of the probabilities attention
+itself computed (``probs``; elsewhere one [query heads x n] product per layer), and for ``window`` a reference to
+the query: decode steps' queries are copied into the window in one stack when it is read (a compression, a saved
+state, a ``mark``) or every ``obs_window`` steps.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 A decode step on the CPU is many small pieces of work: per layer seven products with one token's vector, two norms,
 the rotary embedding, the cache update and attention. Through the model's ``forward`` each of them also pays
-transformers' module calls, keyword plumbing and per-projection casts, which on this project's machine cost about
-as much as the products themselves (README, Speed). ``DecodeStep`` runs the same computation for one token:
+transformers' module calls, keyword plumbing and per-projection casts: on this project's machine the small
+operations of a step took longer than its products (README, Speed). ``DecodeStep`` runs the same computation for
+one token:
 
 * the model's own modules where they run once per step or carry the model's formula (embedding, rotary embedding,
   RMS norms, the MLP's activation, the output layer);
@@ -18,9 +19,9 @@ as much as the products themselves (README, Speed). ``DecodeStep`` runs the same
 It serves decoder layers whose forward is Llama's (``SUPPORTED``: Llama, Mistral, Qwen2 — Qwen2's q/k/v biases
 included); other architectures, reads of several tokens, recall's query tap and models dispatched by accelerate
 hooks run through the model's forward. ``--decode model`` turns it off. tests/test_step.py compares it with the
-model's forward for each supported family: the same logits bit for bit with the weights as loaded, within 1e-5
-with ``--weights half`` (one fp16 product for q/k/v instead of three may sum in another order), and the same greedy
-replies. Alternating with the model's forward on this project's machine it saved 5-6 ms of a 30-32 ms step
+model's forward for each supported family: the same logits bit for bit with the weights as loaded (fp32 or bf16),
+within 1e-5 with ``--weights half`` (one fp16 product for q/k/v instead of three may sum in another order), and the
+same greedy replies. Alternating with the model's forward on this project's machine it saved 5-6 ms of a 30-32 ms step
 (median of 96 steps each, ``streaming`` at budget 1024; README, Speed).
 """
 
