@@ -354,10 +354,13 @@ def markdown(result: dict) -> str:
     rows = res["rows"]
     own = [r for r in rows if r["policy"] != "recompute" and r["policy"] not in TRANSFORMERS]
     lengths = sorted({r["length"] for r in own})
+    both = res.get("bandwidth_gbs_measured")
+    measured = f" (the larger of {both[0]:.1f} at the start and {both[1]:.1f} at the end)" if both else ""
     lines = [f"Budget {cfg['budget']}, {cfg['steps']} decoded tokens per measurement (decode ms/token: the median "
              f"step), a {cfg['prompt']}-token user turn; `--weights {res.get('weights', 'model')}`; memory bandwidth "
-             f"measured {res['bandwidth_gbs']:.1f} GB/s; a decode step reads {res['weight_bytes'] / 2**20:.0f} MiB of "
-             "weights. Roofline = (weight bytes a step reads + kept KV bytes) / bandwidth.",
+             f"measured {res['bandwidth_gbs']:.1f} GB/s{measured}; a decode step reads "
+             f"{res['weight_bytes'] / 2**20:.0f} MiB of weights. Roofline = (weight bytes a step reads + kept KV "
+             "bytes) / bandwidth.",
              "", "| policy | " + " | ".join(f"decode ms/token @ {n}" for n in lengths)
              + " | prefill ms @ " + " | prefill ms @ ".join(map(str, lengths))
              + " | bookkeeping | roofline ms | measured / roofline |", "| --- " * (2 * len(lengths) + 4) + "|"]
