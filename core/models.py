@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
-from . import attention, weights as weight_formats
+from . import attention, step as step_formats, weights as weight_formats
 from .positions import Rotary
-from .step import DECODE, DecodeStep
+from .step import DecodeStep
 from .template import ChatFormat
 
 log = logging.getLogger(__name__)
@@ -213,8 +213,7 @@ def load(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto", d
     torch_dtype = pick_dtype(dtype, dev)
     try:
         held = weight_formats.resolve(weights, dev, torch_dtype)
-        if decode not in DECODE:
-            raise ValueError(f"unknown decode {decode!r} ({', '.join(DECODE)})")
+        step_formats.check(decode)
     except ValueError as exc:
         raise ModelError(str(exc)) from None
     impl = attention.register()

@@ -39,6 +39,13 @@ SUPPORTED = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2Decoder
 NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})  # the same forward, line for line
 
 
+def check(decode: str) -> str:
+    """``decode`` if it names a way to decode (``DECODE``), else ValueError with the choices."""
+    if decode not in DECODE:
+        raise ValueError(f"unknown decode {decode!r} ({', '.join(DECODE)})")
+    return decode
+
+
 class Projections:
     """Linear layers that read the same input, as one product: [x @ w1.T + b1, x @ w2.T + b2, ...]."""
 
@@ -129,9 +136,7 @@ class DecodeStep:
 
     @classmethod
     def build(cls, model: nn.Module, decode: str = "auto") -> DecodeStep | None:
-        if decode not in DECODE:
-            raise ValueError(f"unknown decode {decode!r} ({', '.join(DECODE)})")
-        if decode == "model" or cls.unsupported(model) is not None:
+        if check(decode) == "model" or cls.unsupported(model) is not None:
             return None
         return cls(model)
 

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from kvchat.core import weights
+from kvchat.core import models, weights
 from kvchat.core.models import ChatModel
 from kvchat.core.session import Sampling, Session
 from kvchat.core.settings import Settings
@@ -139,6 +139,9 @@ def test_other_architectures_decode_through_the_models_forward(arch, tokenizer):
     assert ChatModel.from_pretrained_model(model, tokenizer).step is None
 
 
-def test_unknown_decode_is_refused(tokenizer):
+def test_unknown_decode_is_refused(tokenizer, model_dir):
     with pytest.raises(ValueError, match="unknown decode 'fast'"):
         DecodeStep.build(build_tiny("llama", tokenizer), "fast")
+    with pytest.raises(models.ModelError, match=r"unknown decode 'fast' \(auto, model\)"):
+        models.load(str(model_dir), decode="fast")
+    assert models.load(str(model_dir), decode="model").step is None
