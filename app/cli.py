@@ -556,6 +556,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     from ..core.models import ModelError
+    from ..core.procinfo import tune_malloc
+
+    tune_malloc()
 
     commands = {"serve": cmd_serve, "chat": cmd_chat, "replay": cmd_replay, "policies": cmd_policies,
                 "conversations": cmd_conversations}

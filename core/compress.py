@@ -160,6 +160,8 @@ def compress(session, keep: int, reason: str, bring: torch.Tensor | None = None)
     session.evictions.record({"turn": session.turn, "reason": reason, "before": before, "after": after,
                               "evicted_tokens": round(before + brought - after), "evicted_groups": evicted_groups,
                               "total_tokens": session.log.n, "created_at": now_iso()})
+    if session.recall_release:  # the reply's first compression kept what recall brought back; now the policy decides
+        session.recall_guard, session.recall_release = session.recall_guard[:0], False
 
 
 def protected(session, positions: torch.Tensor, lens: list[int], keep: int) -> torch.Tensor:
@@ -179,7 +181,7 @@ def protected(session, positions: torch.Tensor, lens: list[int], keep: int) -> t
                 session.warn("system", f"the system prompt ({system} tokens) does not fit the budget beside the "
                                        "window; it is no longer protected from eviction")
         safe |= (positions < start) & (positions >= 0)
-    guard = session.recall_guard  # recalled in the turn in progress: kept until the reply is written
+    guard = session.recall_guard  # just recalled: kept while the message is read again, and through one compression
     if guard.numel():
         safe |= torch.isin(positions, guard.to(positions.device))
     return safe

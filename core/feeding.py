@@ -53,6 +53,7 @@ class Feeding:
                 recall.bring_back(self, found["bring"])
                 found["recall_ms"] += 1000 * (time.perf_counter() - t)
                 head = self._feed(segments[:1], want_logprobs=want_logprobs)
+                self.recall_release = True  # kept through the reply's first compression, then the policy decides
             for key in ("recalled_tokens", "recalled_groups", "recalled", "recall_ms"):
                 setattr(res, key, found[key])
             out = self._feed(segments[1:], want_logprobs=want_logprobs)
@@ -72,15 +73,15 @@ class Feeding:
         """Feed tokens ([(ids, message index)]) through the model on top of the cache, compressing as needed.
 
         Returns (last logits, next-token log-probs, top-1 flags); the latter two only with ``want_logprobs``
-        (entry j scores token j+1 of the fed sequence). ``tap`` keeps the queries of the tokens that are not
-        special (template) tokens, for recall.
+        (entry j scores token j+1 of the fed sequence). ``tap`` keeps the queries of the tokens that are not the
+        template's scaffolding (role headers, end markers), for recall.
         """
         positions = self.log.append_messages(self.model.tokenizer,
                                              [(ids, m, self.messages[m]["role"]) for ids, m in segments],
                                              self.turn, continue_message)
         ids = torch.tensor([i for seg, _ in segments for i in seg], dtype=torch.long)
         if tap is not None:
-            special = torch.tensor(sorted(self.model.tokenizer.all_special_ids), dtype=torch.long)
+            special = self.model.scaffolding_ids()
         total = ids.numel()
         logprobs, top1, i, logits = [], [], 0, None
         while i < total:

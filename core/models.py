@@ -139,7 +139,7 @@ class ChatModel:
     stop_ids: frozenset[int]
     #: Sampling settings the model's generation config sets (empty: kvchat's per-model or declared defaults).
     generation_defaults: dict = field(default_factory=dict)
-    #: Token ids of the chat template's scaffolding (computed by core/recall.py when recall first runs).
+    #: Token ids of the chat template's scaffolding (``scaffolding_ids``).
     scaffolding: torch.Tensor | None = field(default=None, repr=False)
     #: How the linear layers' weights are held (core/weights.py): "model" (as loaded) or "half".
     weights: str = "model"
@@ -152,6 +152,14 @@ class ChatModel:
         from .settings import MODEL_SAMPLING
 
         return self.generation_defaults or dict(MODEL_SAMPLING.get(self.name, {}))
+
+    def scaffolding_ids(self) -> torch.Tensor:
+        """Token ids the chat template wraps every message in (core/recall.py: ``scaffolding``), computed once."""
+        if self.scaffolding is None:
+            from .recall import scaffolding
+
+            self.scaffolding = scaffolding(self)
+        return self.scaffolding
 
     @property
     def num_layers(self) -> int:

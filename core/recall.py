@@ -1,15 +1,17 @@
 """Recall: evicted text comes back when a new user message needs it.
 
 Every sentence group ever fed has a *digest* on disk beside the archive (``Digests``): for a few scoring layers
-spread through the model's depth and for every KV head, the ``REPS`` keys of the group with the largest norm,
-un-rotated to position 0 so that relevance does not depend on where the group sat. When a user message has been
-fed, its queries in those layers (``QueryTap``, un-rotated the same way) score every group with the model's own
+spread through the model's depth and for every KV head, the ``REPS`` keys of the group with the largest norm among
+its tokens that are not template scaffolding, un-rotated to position 0 so that relevance does not depend on where
+the group sat. When a user message has been fed, its queries in those layers (``QueryTap``, un-rotated the same way,
+scaffolding rows left out) score every group with the model's own
 attention (``relevance``): per layer, each query's softmax over the groups' representative keys; a group's score is
 the largest share any query (and query head) gives it, averaged over the scoring layers. The best groups the cache
 has (mostly) evicted are chosen (``choose``) and ``compress.compress(..., bring=...)`` puts them back into every
 layer and head, displacing the running policy's lowest-scored tokens: kept and recalled keys alike are the archived
 keys rotated once to their place in conversation order, so the cache stays a pure function of the archive and its
-slot state (and resumes exactly).
+slot state (and resumes exactly). They are protected while the message is read again and through the reply's first
+compression (``bring_back``); then the running policy keeps them as long as it scores them high enough.
 
 Digests are written when a turn closes, synced and truncated with the archive; a conversation with recall off keeps
 them too, so recall switched on later reaches the whole chat.
@@ -33,15 +35,22 @@ HELD_QUANTILE = 0.9  # a recalled group must outscore this share of the groups t
 BLOCK = 8192  # positions digested at a time
 
 
+def _native_bf16() -> bool:
+    """Whether the CPU multiplies bf16 natively (AVX512-BF16): there the scoring's products ran 1.7-6x faster than
+    fp32 on this project's machine."""
+    return getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+
+
 def _coarse_dtype() -> torch.dtype:
     """The dtype the coarse keys are kept in memory and multiplied in: bf16 where the CPU has native bf16 products
-    (AVX512-BF16: the coarse pass's products ran 6x faster than fp32 on this project's machine, and it only picks
-    candidates, which the full pass scores in fp32), else fp16 (half the memory, multiplied in fp32)."""
-    supported = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
-    return torch.bfloat16 if supported() else torch.float16
+    (the coarse pass only picks candidates), else fp16 (half the memory, multiplied in fp32)."""
+    return torch.bfloat16 if _native_bf16() else torch.float16
 
 
 COARSE_DTYPE = _coarse_dtype()
+#: The dtype the full pass multiplies the candidates' digests in: bf16 where native (the shares it gives are within
+#: ~1e-3 of fp32's; for 64 query rows and 512 candidates the pass took 8.5 ms, 14.5 in fp32), else fp32.
+FULL_DTYPE = torch.bfloat16 if _native_bf16() else torch.float32
 
 
 def scoring_layers(num_layers: int) -> list[int]:
@@ -96,21 +105,27 @@ class Digests:
                 with open(self.folder / name, "r+b") as f:
                     f.truncate(count * size)
 
-    def add(self, archive, sentence: torch.Tensor, n: int, rotary, start: int = 0) -> int:
-        """Digest the groups of positions ``covered .. n`` (whole groups: ``n`` ends one; ``sentence``: the sentence
-        id of each position from ``start`` on); returns how many. A long stretch (a conversation from before
-        digests, reopened) goes a block of whole groups at a time."""
-        if n <= self.covered or archive.layout is None:
+    def add(self, archive, log, scaffolding: torch.Tensor, rotary) -> int:
+        """Digest the groups of the token log ``log`` not digested yet (its end ends a group); returns how many.
+        ``scaffolding``: the template's token ids, which no group is represented by while it has other tokens. A
+        long stretch (a conversation from before digests, reopened) goes a block of whole groups at a time."""
+        n, start = log.n, self.covered
+        if n <= start or archive.layout is None:
             return 0
+        sentence = log.column("sentence", start)
+        content = ~torch.isin(log.column("token", start).long(), scaffolding)
         done = 0
         while n - self.covered > BLOCK:
             ids = sentence[self.covered - start: self.covered - start + BLOCK + 1]
             cut = int((ids[1:] != ids[:-1]).nonzero().max()) + 1 if (ids[1:] != ids[:-1]).any() else BLOCK
-            done += self._add(archive, sentence[self.covered - start:], self.covered + cut, rotary)
-        return done + self._add(archive, sentence[self.covered - start:], n, rotary)
+            done += self._add(archive, sentence[self.covered - start:], content[self.covered - start:],
+                              self.covered + cut, rotary)
+        return done + self._add(archive, sentence[self.covered - start:], content[self.covered - start:], n, rotary)
 
-    def _add(self, archive, sentence: torch.Tensor, n: int, rotary) -> int:
-        """Digest positions ``covered .. n`` (``sentence``: their ids, from ``covered`` on)."""
+    def _add(self, archive, sentence: torch.Tensor, content: torch.Tensor, n: int, rotary) -> int:
+        """Digest positions ``covered .. n`` (``sentence``, ``content``: theirs, from ``covered`` on). A group's
+        representative keys are its content tokens' (the template's role headers and end markers draw attention
+        from any message, whatever it asks)."""
         heads, kdim = archive.layout[0], archive.layout[1]
         if self.layout is None:
             from .archive import fsync_dir
@@ -132,7 +147,10 @@ class Digests:
         norms = keys.norm(dim=-1)
         out = torch.empty(len(counts), len(self.layers), heads, REPS, kdim)
         for g, (a, c) in enumerate(zip((starts - self.covered).tolist(), counts.tolist())):
-            top = norms[..., a: a + c].topk(min(REPS, c), -1).indices + a  # [layers, heads, <= REPS]
+            own = torch.arange(a, a + c)
+            if content[a: a + c].any():  # scaffolding only where the group has nothing else
+                own = own[content[a: a + c]]
+            top = own[norms[..., own].topk(min(REPS, own.numel()), -1).indices]  # [layers, heads, <= REPS]
             top = torch.cat([top, top[..., :1].expand(-1, -1, REPS - top.shape[-1])], -1)
             out[g] = torch.gather(keys, 2, top[..., None].expand(-1, -1, -1, kdim))
         files = self._open()
@@ -274,7 +292,7 @@ def relevance(digests: np.ndarray, coarse: torch.Tensor, layers: list[int], quer
         if q is not None:
             if q.shape[1] > COARSE_ROWS:  # its cost grows with rows x groups: a long message is sampled
                 q = q[:, torch.linspace(0, q.shape[1] - 1, COARSE_ROWS).round().long().to(q.device)]
-            first += _shares(q, coarse[ci].to(q.device), scaling.get(li, q.shape[-1] ** -0.5), 1)
+            first += _shares(q, coarse[ci].to(q.device), scaling.get(li, q.shape[-1] ** -0.5), 1, rough=True)
             used += 1
     picked = (first / max(used, 1)).topk(CANDIDATES).indices.sort().values
     out = torch.zeros(groups)
@@ -288,31 +306,37 @@ def score(digests: torch.Tensor, layers: list[int], queries: dict[int, torch.Ten
     representative key) any query row and query head gives each group (digests: [groups, layers, heads, reps,
     dim])."""
     groups, _, heads, reps, kdim = digests.shape
+    # one conversion for all layers, the representatives outermost: the best of them is an elementwise maximum
+    keys = torch.empty(len(layers), heads, reps, groups, kdim, dtype=FULL_DTYPE)
+    keys.copy_(digests.permute(1, 2, 3, 0, 4))
+    keys = keys.view(len(layers), heads, reps * groups, kdim)
     total = torch.zeros(groups)
     used = 0
     for si, li in enumerate(layers):
         q = queries.get(li)
         if q is None:
             continue
-        keys = digests[:, si].to(q.device, torch.float32).permute(1, 0, 2, 3).reshape(heads, groups * reps, kdim)
-        total += _shares(q, keys, scaling.get(li, kdim ** -0.5), reps)
+        total += _shares(q, keys[si].to(q.device), scaling.get(li, kdim ** -0.5), reps)
         used += 1
     return total / max(used, 1)
 
 
-def _shares(q: torch.Tensor, keys: torch.Tensor, scale: float, reps: int) -> torch.Tensor:
+def _shares(q: torch.Tensor, keys: torch.Tensor, scale: float, reps: int, rough: bool = False) -> torch.Tensor:
     """[groups] the largest attention share any row of ``q`` ([query heads, rows, dim]; the query heads sharing a
     KV head go together) gives each group, the softmax taken over the groups' best of ``reps`` keys (``keys``:
-    [KV heads, groups * reps, dim])."""
+    [KV heads, reps * groups, dim], representative r of group g at row r * groups + g). ``rough``: the softmax's
+    output in the keys' dtype where that is bf16 (the coarse pass, which only ranks: 20-30% faster there)."""
     heads = keys.shape[0]
     qh = q.reshape(heads, -1, keys.shape[-1]) * scale
-    if keys.dtype == torch.bfloat16:  # the coarse pass, where the CPU multiplies bf16 natively
-        s = torch.bmm(qh.to(keys.dtype), keys.transpose(1, 2)).float()
+    if keys.dtype == torch.bfloat16:  # where the CPU multiplies bf16 natively
+        s = torch.bmm(qh.to(keys.dtype), keys.transpose(1, 2))
     else:
         s = torch.bmm(qh, keys.float().transpose(1, 2))
     if reps > 1:
-        s = s.view(heads, qh.shape[1], -1, reps).amax(-1)
-    return s.softmax(-1).amax((0, 1)).cpu()
+        s = s.view(heads, qh.shape[1], reps, -1).amax(2)
+    if rough and s.dtype == torch.bfloat16:
+        return s.softmax(-1).amax((0, 1)).float().cpu()
+    return s.float().softmax(-1).amax((0, 1)).cpu()
 
 
 def scaffolding(model) -> torch.Tensor:
@@ -330,12 +354,13 @@ def scaffolding(model) -> torch.Tensor:
 
 
 def choose(relevance: torch.Tensor, spans: torch.Tensor, mean_held: torch.Tensor, has_content: torch.Tensor,
-           groups: int, tokens: int, threshold: float) -> list[list[int]]:
+           groups: int, tokens: int, threshold: float, message: torch.Tensor | None = None) -> list[list[int]]:
     """The groups to bring back, best first: at most ``groups`` of them and ``tokens`` positions in all, each
     scoring at least ``threshold``, holding more than template scaffolding (``has_content``, per group) and mostly
     evicted now (``mean_held``: the share of its (layer, head, position) slots held, per group, below one half).
-    Each comes as a unit with the evicted scaffolding groups right around it (consecutive group indices), the units
-    in conversation order."""
+    Each comes as a unit with the evicted groups right around it that are scaffolding, and with the next sentence
+    of the same message (``message``: the message of each group) where that is evicted too; units are consecutive
+    group indices, in conversation order."""
     a, b = spans[:, 0], spans[:, 1]
     # Only what the message wants more than most of what the cache already holds comes back.
     present = relevance[(mean_held >= 0.5) & has_content & (relevance > 0)]
@@ -345,6 +370,9 @@ def choose(relevance: torch.Tensor, spans: torch.Tensor, mean_held: torch.Tensor
     wanted = (evicted & has_content & (relevance > 0) & (relevance >= threshold)).nonzero().flatten()
     order = wanted[relevance[wanted].argsort(descending=True)].tolist()
     free = (evicted & ~has_content).tolist()  # evicted scaffolding groups, which come along with their neighbour
+    follows = [False] * len(free)  # the next group is the same message's next sentence, evicted
+    if message is not None and len(free) > 1:
+        follows = torch.cat([(message[1:] == message[:-1]) & evicted[1:], torch.tensor([False])]).tolist()
     size = (b - a).tolist()
     chosen, used, picked = [], 0, set()
     for g in order:
@@ -353,11 +381,21 @@ def choose(relevance: torch.Tensor, spans: torch.Tensor, mean_held: torch.Tensor
         if g in picked:
             continue
         # the template scaffolding right around it (the message's header, its end marker) comes with it, so the
-        # model reads it as the message it was
-        unit = [n for n in (g - 1, g, g + 1) if n == g or (0 <= n < len(size) and free[n] and n not in picked)]
+        # model reads it as the message it was; and the sentence after it in the same message, which often
+        # completes it (a name after "Dr.", the value a sentence introduces)
+        unit = [g]
+        if g > 0 and free[g - 1] and g - 1 not in picked:
+            unit.insert(0, g - 1)
+        if g + 1 < len(size) and (free[g + 1] or follows[g]) and g + 1 not in picked:
+            unit.append(g + 1)
+            if g + 2 < len(size) and free[g + 2] and not free[g + 1] and g + 2 not in picked:
+                unit.append(g + 2)
         cost = sum(size[n] for n in unit)
         if used + cost > tokens:
-            continue
+            unit = [n for n in unit if n <= g]  # without the next sentence, if that is what does not fit
+            cost = sum(size[n] for n in unit)
+            if used + cost > tokens:
+                continue
         chosen.append(unit)
         picked.update(unit)
         used += cost
@@ -387,11 +425,9 @@ def plan(session, tap: QueryTap) -> dict:
     out = {"recalled_tokens": 0, "recalled_groups": 0, "recalled": [], "bring": torch.zeros(0, dtype=torch.long)}
     if spans.shape[0] and tap.queries:
         rel = relevance(digests, coarse, archive.digests.layers, tap.unrotated(session.model.rotary), tap.scaling)
-        if session.model.scaffolding is None:
-            session.model.scaffolding = scaffolding(session.model)
         units = choose(rel, spans, held_share(session.cache, spans),
-                       archive.digests.has_content(spans, session.log, session.model.scaffolding), s.recall_groups,
-                       s.recall_limit, s.recall_threshold)
+                       archive.digests.has_content(spans, session.log, session.model.scaffolding_ids()),
+                       s.recall_groups, s.recall_limit, s.recall_threshold, session.log.at("message", spans[:, 0]))
         if units:
             found = [[int(spans[u[0], 0]), int(spans[u[-1], 1])] for u in units]
             out.update(recalled=found, recalled_groups=len(units),
@@ -402,8 +438,9 @@ def plan(session, tap: QueryTap) -> dict:
 
 
 def bring_back(session, bring: torch.Tensor) -> None:
-    """Put the positions ``bring`` back into every layer and head, within the budget, and keep them there until the
-    turn closes."""
+    """Put the positions ``bring`` back into every layer and head, within the budget, and keep them there while the
+    message is read again and through the reply's first compression (so the reply's first ``slack`` tokens at
+    least see them); from there on the running policy keeps them as long as it scores them high enough."""
     from . import compress
 
     compress.compress(session, session.settings.budget, "recall", bring=bring)

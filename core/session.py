@@ -62,7 +62,9 @@ class Session(Feeding, Generation, SessionReads):
         self.history: list[TurnResult] = []
         self.system_tokens = 0
         self.evictions = compress.Evictions()
-        self.recall_guard = torch.zeros(0, dtype=torch.long)  # recalled this turn: kept until it closes
+        # just recalled: kept while the message is read again and through the reply's first compression
+        self.recall_guard = torch.zeros(0, dtype=torch.long)
+        self.recall_release = False  # the message has been read again: the next compression is the guard's last
         self.observer = self.make_observer(self.policy)
         self.undo_enabled = undo
         self.pending: list[dict] = []  # turn records not yet written (the system turn waits for the first exchange)
@@ -289,11 +291,9 @@ class Session(Feeding, Generation, SessionReads):
         res.evicted_tokens = sum(e["evicted_tokens"] for e in self.evictions.events)
         res.evicted_groups = sum(e["evicted_groups"] for e in self.evictions.events)
         res.warnings = list(self._warnings)
-        self.recall_guard = self.recall_guard[:0]
+        self.recall_guard, self.recall_release = self.recall_guard[:0], False
         if self.archive is not None:
-            covered = self.archive.digests.covered
-            self.archive.digests.add(self.archive, self.log.column("sentence", covered), self.log.n,
-                                     self.model.rotary, start=covered)
+            self.archive.digests.add(self.archive, self.log, self.model.scaffolding_ids(), self.model.rotary)
         self.history.append(res)
         record = persist.turn_record(self, res, messages)
         self.turn += 1

@@ -70,7 +70,7 @@ def test_a_crash_mid_turn_reopens_the_last_committed_turn(tiny, tmp_path, recall
     assert live.archive.n > twin.total_tokens
     digests = live.archive.digests
     if recall == "on":  # the crash comes after the closing turn's digests were written, before its commit
-        digests.add(live.archive, live.log.column("sentence"), live.log.n, model.rotary)
+        digests.add(live.archive, live.log, model.scaffolding_ids(), model.rotary)
         assert digests.covered > twin.total_tokens
     live.archive.sync()
     for name, junk in (("kv.bin", b"\x01" * 7), ("pos.bin", b"\x02" * 3), ("digest.bin", b"\x03" * 5),

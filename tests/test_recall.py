@@ -49,13 +49,15 @@ def _assert_archived_keys(session):
 def test_recall_brings_evicted_groups_back_within_the_bound(tiny, tmp_path, policy):
     session = Session(tiny("llama"), _settings(policy=policy), store=Store(tmp_path / "r.db"), sampling=GREEDY)
     bound = session.settings.capacity
-    seen = []
+    seen, guarded = [], []
     forward = session.forward
 
     def checked(*a, **kw):
         out = forward(*a, **kw)
         # cake and headaware split budget x layers among layers (and heads): their bound is on the mean
         seen.append(session.cache.mean_length if policy in ("cake", "headaware") else session.cache.length)
+        if session.recall_guard.numel():  # the message read again after what it recalled: all of it held
+            guarded.append(bool(torch.all(session.held_fraction()[session.recall_guard] == 1.0)))
         return out
 
     session.forward = checked
@@ -66,11 +68,8 @@ def test_recall_brings_evicted_groups_back_within_the_bound(tiny, tmp_path, poli
     for r in results:
         assert r.recall_ms is not None and r.recalled_groups == len(r.recalled) <= session.settings.recall_groups
         assert r.recalled_tokens == sum(b - a for a, b in r.recalled) <= session.settings.recall_limit
-    last = recalled[-1]
-    if last is results[-1]:  # the recalled groups are held after the answer in every layer and head
-        held = session.held_fraction()
-        for a, b in last.recalled:
-            assert torch.all(held[a:b] == 1.0)
+    assert guarded and all(guarded), "recalled groups are held in every layer and head while the message is read"
+    assert session.recall_guard.numel() == 0, "then the running policy decides (nothing stays protected)"
 
 
 @pytest.mark.parametrize("positions", ["rerotate", "original"])
@@ -86,7 +85,8 @@ def test_recalled_keys_are_the_archived_keys_at_their_new_positions(tiny, tmp_pa
             assert set(p + n for p, n in zip(layer.pos_off, layer.lens)) == {session.cache.length}
 
 
-def test_a_recall_turn_reopens_exactly(tiny, tmp_path):
+def test_a_recall_turn_reopens_exactly(tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr("kvchat.core.recall.HELD_QUANTILE", 0.0)  # random weights: recall whatever scores best
     model = tiny("qwen2")
     live = Session(model, _settings(policy="snapkv"), store=Store(tmp_path / "d.db"), sampling=GREEDY)
     for user, reply in TURNS * 2:
@@ -230,6 +230,55 @@ def test_relevance_finds_the_group_the_queries_point_at(monkeypatch, candidates)
     assert (rel == 0).sum() == (groups - candidates if candidates < groups else 0)
 
 
+def test_scores_equal_the_attention_shares_they_stand_for():
+    """``score``: per layer the softmax over groups of each query row's best representative logit, its largest
+    value over rows and query heads, the mean over layers; computed here the plain way (fp32, loops), it agrees
+    (to bf16's precision where the CPU multiplies in bf16)."""
+    from kvchat.core import recall
+
+    gen = torch.Generator().manual_seed(1)
+    layers, groups, heads, qheads, dim = [1, 3, 5], 40, 2, 4, 16
+    digests = torch.randn(groups, len(layers), heads, recall.REPS, dim, generator=gen).half()
+    queries = {li: torch.randn(qheads, 7, dim, generator=gen) for li in layers}
+    expected = torch.zeros(groups)
+    for si, li in enumerate(layers):
+        best = torch.zeros(groups)
+        for qh in range(qheads):
+            kv = qh // (qheads // heads)
+            logits = torch.einsum("rd,gkd->rgk", queries[li][qh], digests[:, si, kv].float()).amax(-1) * dim ** -0.5
+            best = torch.maximum(best, logits.softmax(-1).amax(0))
+        expected += best / len(layers)
+    got = recall.score(digests, layers, queries, {})
+    assert torch.allclose(got, expected, atol=3e-3 if recall.FULL_DTYPE == torch.bfloat16 else 1e-6)
+    assert got.argmax() == expected.argmax()
+
+
+def test_digests_stand_for_a_group_by_its_content_tokens(tiny, tmp_path):
+    """A group's representative keys are its largest-norm keys among its tokens that are not template scaffolding
+    (role headers and end markers draw attention from any message); a group of scaffolding alone is represented by
+    its own."""
+    from kvchat.core import recall
+
+    session = Session(tiny("llama"), _settings(recall="off"), store=Store(tmp_path / "d.db"), sampling=GREEDY)
+    _chat(session, rounds=1)
+    digests, archive, rotary = session.archive.digests, session.archive, session.model.rotary
+    spans, stored, _ = digests.read()
+    content = ~torch.isin(session.log.column("token").long(), session.model.scaffolding_ids())
+    mixed = 0
+    for g, (a, b) in enumerate(spans.tolist()):
+        inside = torch.arange(a, b)
+        own = inside[content[a:b]] if content[a:b].any() else inside
+        mixed += bool(content[a:b].any() and not content[a:b].all())
+        for si, li in enumerate(digests.layers):
+            for h in range(digests.layout[0]):
+                keys, _, computed = archive.keys_values(li, own[None], [h])
+                keys = rotary.rotate(keys.float(), -computed.long())[0]
+                best = keys[keys.norm(dim=-1).topk(min(recall.REPS, own.numel())).indices].half()
+                reps = torch.from_numpy(np.array(stored[g, si, h]))
+                assert torch.equal(reps[: best.shape[0]], best)
+    assert mixed > 0, "some groups hold a role header and content"
+
+
 def test_digests_written_a_block_at_a_time_equal_those_written_at_once(tiny, tmp_path, monkeypatch):
     """A long stretch (a conversation reopened from before digests) is digested a block of whole groups at a time;
     the digests are the same."""
@@ -290,3 +339,25 @@ def test_group_shares_and_content_follow_the_chat_through_undo(tiny, tmp_path):
         fresh = torch.tensor([bool(content[a:b].any()) for a, b in spans.tolist()])
         assert torch.equal(digests.has_content(spans, session.log, session.model.scaffolding), fresh)
         assert not fresh.all(), "scaffolding-only groups exist (the template's markers)"
+
+
+def test_a_recalled_sentence_comes_with_its_scaffolding_and_the_next_sentence_of_its_message():
+    """``choose``: the best evicted group comes back with the scaffolding groups right around it and the next
+    sentence of the same message (which completes "My dentist is called Dr." with the name); a held neighbour, a
+    neighbour from another message, or one that does not fit the limit stays out."""
+    from kvchat.core.recall import choose
+
+    # groups: 0 header | 1 "My dentist is called Dr." | 2 "Petrov." | 3 end marker | 4 next message | 5 held
+    spans = torch.tensor([[0, 3], [3, 9], [9, 12], [12, 14], [14, 20], [20, 26]])
+    content = torch.tensor([False, True, True, False, True, True])
+    message = torch.tensor([0, 0, 0, 0, 1, 1])
+    relevance = torch.tensor([0.0, 0.9, 0.1, 0.0, 0.2, 0.0])
+    held = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 1.0])
+    assert choose(relevance, spans, held, content, 6, 100, 0.5, message) == [[0, 1, 2, 3]]
+    assert choose(relevance, spans, held, content, 6, 100, 0.5) == [[0, 1]]  # without messages: scaffolding only
+    assert choose(relevance, spans, held, content, 6, 10, 0.5, message) == [[0, 1]]  # the next sentence won't fit
+    kept = held.clone()
+    kept[2] = 1.0  # the next sentence is held already
+    assert choose(relevance, spans, kept, content, 6, 100, 0.5, message) == [[0, 1]]
+    other = torch.tensor([0, 0, 1, 1, 1, 1])
+    assert choose(relevance, spans, held, content, 6, 100, 0.5, other) == [[0, 1]]
