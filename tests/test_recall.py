@@ -69,7 +69,37 @@ def test_recall_brings_evicted_groups_back_within_the_bound(tiny, tmp_path, poli
         assert r.recall_ms is not None and r.recalled_groups == len(r.recalled) <= session.settings.recall_groups
         assert r.recalled_tokens == sum(b - a for a, b in r.recalled) <= session.settings.recall_limit
     assert guarded and all(guarded), "recalled groups are held in every layer and head while the message is read"
-    assert session.recall_guard.numel() == 0, "then the running policy decides (nothing stays protected)"
+
+
+def test_recalled_tokens_are_kept_through_the_replys_first_compression_then_the_policy_decides(tiny, tmp_path,
+                                                                                               monkeypatch):
+    """After the message is read again, the reply's first compression still keeps every recalled position in every
+    layer and head and ends their protection; ``streaming`` then evicts them (old positions) at a later one."""
+    from kvchat.core import compress
+
+    session = Session(tiny("llama"), _settings(), store=Store(tmp_path / "g.db"),
+                      sampling=Sampling(max_new_tokens=40, temperature=0.0))
+    calls, real = [], compress.compress
+
+    def recorded(sess, keep, reason, bring=None):
+        guard, releasing = sess.recall_guard.clone(), sess.recall_release
+        real(sess, keep, reason, bring)
+        held = sess.held_fraction()[guard] if guard.numel() else torch.ones(0)
+        calls.append((reason, releasing, guard.numel(), sess.recall_guard.numel(), bool(torch.all(held == 1.0)),
+                      guard))
+
+    monkeypatch.setattr(compress, "compress", recorded)
+    _chat(session)
+    res = session.chat("And what did I say about the sea?")
+    assert res.recalled_tokens > 0 and res.new_tokens == 40
+    turn = calls[max(i for i, c in enumerate(calls) if c[0] == "recall"):]
+    released = [i for i, c in enumerate(turn) if c[1]]
+    assert len(released) == 1, "one compression ends the protection"
+    reason, _, before, after, kept, guard = turn[released[0]]
+    assert before > 0 and after == 0 and kept, "that compression kept every recalled position"
+    assert all(c[2] > 0 and c[4] for c in turn[1: released[0]]), "kept while the message was read again"
+    assert released[0] + 1 < len(turn), "the reply went on compressing"
+    assert session.held_fraction()[guard].min() < 1.0, "streaming let the old recalled positions go"
 
 
 @pytest.mark.parametrize("positions", ["rerotate", "original"])
