@@ -17,10 +17,10 @@ def tune_malloc() -> bool:
     each large block fresh and giving it back when freed: recall's put-back and a compression's rebuild allocate
     temporaries of a few MiB (every kept key read from the archive, then rotated), and each fresh mapping is paid
     again in page faults. Measured on this project's machine (h2o at budget 512, 14 put-backs of a recall per run,
-    two runs each way): the archive read 6.0-6.9 -> 3.9-4.5 ms, the rotation 9.4-10.5 -> 5.3-6.5 ms, the put-back's
-    median 41.2-41.7 -> 32.5-35.3 ms. glibc only (elsewhere nothing is changed);
-    returns whether it applied. The heap's peak is what it was; what stays resident after it is at most 256 MiB
-    more."""
+    paired runs): the archive read 5.8-6.9 -> 3.9-4.5 ms and the rotation 9.4-17.6 -> 5.3-6.5 ms in each of three
+    pairs; the whole put-back's median was lower in three pairs of four (41.2, 41.7, 44.3 -> 32.5, 35.3, 36.2 ms) and
+    higher in one (32.7 -> 40.0); the peak RSS stayed within 30 MB (1,472-1,491 -> 1,492-1,502 MB) and 39-48 MB
+    more stayed resident after it. glibc only (elsewhere nothing is changed); returns whether it applied."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None
