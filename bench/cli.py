@@ -154,7 +154,7 @@ def run(args) -> int:
     failed = []
     for mod, ns in plans:
         config = {**{k: v for k, v in vars(ns).items() if k not in ("json", "out")}, "weights": cm.weights,
-                  "decode": "kvchat" if cm.step is not None else "model"}
+                  "decode": "model" if cm.step is None else "compiled" if hasattr(cm.step, "compile_s") else "kvchat"}
         bench = Run(mod.NAME, args.quick, config, model=cm.name, command=command_line(args.bench, args, ns, mod))
         log(f"== bench {mod.NAME}{' (quick)' if args.quick else ''}")
         try:

@@ -39,6 +39,7 @@ from .common import Run, data_dir, fastchat_pairs, log, read_text, save_figure
 NAME = "speed"
 TITLE = "Speed"
 BOUNDED = [p for p, cls in POLICIES.items() if cls.bounded]
+EAGER = " (eager step)"  # with --decode compiled: the policy's rows on the eager step, beside the compiled ones
 TRANSFORMERS = {"transformers": "transformers, same weights",
                 "transformers_model_weights": "transformers, fp32 weights"}
 QUICK = {"lengths": [300, 900], "budget": 256, "steps": 6, "prompt": 64, "policies": ["streaming", "h2o"],
@@ -246,17 +247,29 @@ def run(args, run: Run, cm) -> None:
     grow(session, min(args.lengths))
     warm = timed_turn(session, prompt, args.steps)  # warm-up (first-call costs), not recorded
     session.undo()
+    compile_s = getattr(cm.step, "compile_s", None)
+    if compile_s is not None:  # --decode compiled: its first step compiled the graph
+        run.rows["compile_s"] = compile_s
+        log(f"speed: the compiled decode step compiled in {compile_s:.1f} s (its first step; inductor's cache on "
+            f"disk makes a later process's compile shorter)")
     # transformers at the bounded caches' length, its steps timed in blocks between each policy's decode steps
     reference = Reference(cm, text[: warm["cache_tokens"]])
     reference.steps(4)
+    # With --decode compiled each policy is also timed on the eager step, in the same turn order and beside the same
+    # transformers loop: the compiled graph's gain as measured, not across runs on a machine whose speed drifts.
+    variants = [("", contextlib.nullcontext)]
+    if compile_s is not None:
+        variants.append((EAGER, cm.step.eager_only))
     for length in sorted(args.lengths):
         grow(session, length)
         for p in args.policies:
-            session.configure(policy=p)
-            reference.rewind()
-            record(p, length, timed_turn(session, prompt, args.steps, reference))
-            session.undo()
-            session.configure(policy="streaming")
+            for suffix, context in variants:
+                session.configure(policy=p)
+                reference.rewind()
+                with context():
+                    record(p + suffix, length, timed_turn(session, prompt, args.steps, reference))
+                session.undo()
+                session.configure(policy="streaming")
     del session
     full = Session(cm, Settings(policy="full"), system=None, sampling=Sampling(temperature=0.0), undo=True)
     for length in sorted(args.lengths):
@@ -302,6 +315,11 @@ def run(args, run: Run, cm) -> None:
         rows.append({"policy": "recompute", "length": length, "decode_ms_per_token": ms, "window": args.budget})
         log(f"speed recompute  history {length:6d}: {ms:.0f} ms/token (re-encoding {args.budget} tokens)")
 
+    if compile_s is not None:
+        run.rows["compiled_steps"] = {"graph": cm.step.calls, "eager": cm.step.eager_calls, "failed": cm.step.failed}
+        log(f"speed: compiled decode: {cm.step.calls} steps in the graph, {cm.step.eager_calls} in the eager step "
+            f"(heads of different capacities, the growing cache of `full`)"
+            + (f"; compiling failed: {cm.step.failed}" if cm.step.failed else ""))
     # The copy's bandwidth also drifts: the rooflines use the larger of the measurements at the start and the end.
     end_bw = bandwidth_gbs()
     run.rows["bandwidth_gbs_measured"] = [bw, end_bw]
@@ -372,6 +390,11 @@ def markdown(result: dict) -> str:
         book = statistics.mean(r["bookkeeping"] for r in cells.values())
         lines.append(f"| {p} | {dec} | {pre} | {100 * book:.1f}% | {last['roofline_ms']:.1f} | "
                      f"{last['roofline_ratio']:.1f} |")
+    if res.get("compile_s") is not None:
+        steps = res.get("compiled_steps") or {}
+        lines += ["", f"`--decode compiled`: the step's graph compiled in {res['compile_s']:.1f} s (its first step); "
+                  f"{steps.get('graph', '?')} steps ran in the graph, {steps.get('eager', '?')} on the eager step. "
+                  f"Rows marked{EAGER} are the same policy on the eager step, timed right after it."]
     beside = [r for r in own if "speedup" in r]
     if beside:
         blengths = sorted({r["length"] for r in beside})

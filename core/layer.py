@@ -86,6 +86,27 @@ class KVLayer(CacheLayerMixin):
             self.lens[h] += q
         return self.split()
 
+    def appended(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """What ``update`` records besides the keys and values, for one token whose key and value ([heads, dim])
+        the compiled decode step (core/step.py) already wrote at slot ``lens[h]`` of every head: its position,
+        zeroed statistics, the archive's copy; then every head holds one more. The caller checked the room."""
+        incoming = self._owner.incoming_abs
+        if self._owner.archive is not None:
+            self._owner.archive.stage(self.index, key[None, :, None], value[None, :, None])
+        if self.uniform:
+            n, cap = self.lens[0], self.caps[0]
+            self.abs_pos.view(self.heads, cap)[:, n] = incoming
+            for t in self.stats.values():
+                t.view(self.heads, cap)[:, n] = 0
+            self.lens = [n + 1] * self.heads
+            return
+        for h in range(self.heads):
+            a = self.offs[h] + self.lens[h]
+            self.abs_pos[a] = incoming[0]
+            for t in self.stats.values():
+                t[a] = 0
+            self.lens[h] += 1
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return max(self.lens, default=0) + query_length, 0
 
@@ -117,8 +138,10 @@ class KVLayer(CacheLayerMixin):
         total = sum(caps)
         self.caps = list(caps)
         self.offs = [sum(caps[:h]) for h in range(len(caps))]
-        self.keys = torch.empty(total, kdim, dtype=self.dtype, device=self.device)
-        self.values = torch.empty(total, vdim, dtype=self.dtype, device=self.device)
+        # Zeros, not uninitialised memory: the compiled decode step (core/step.py) attends over every slot with the
+        # unused ones masked, and a masked probability times a NaN left in an unused value slot would still be NaN.
+        self.keys = torch.zeros(total, kdim, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(total, vdim, dtype=self.dtype, device=self.device)
         self.abs_pos = torch.empty(total, dtype=torch.int32, device=self.device)
         self.stats = {name: torch.zeros(total, dtype=t.dtype, device=self.device) for name, t in self.stats.items()}
 

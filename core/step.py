@@ -27,14 +27,21 @@ same greedy replies. Alternating with the model's forward on this project's mach
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .attention import kvchat_attention
+from .layer import RaggedKV
 from .weights import HalfLinear
 
-DECODE = ("auto", "model")
+log = logging.getLogger(__name__)
+
+DECODE = ("auto", "model", "compiled")
 SUPPORTED = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"})
 NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})  # the same forward, line for line
 
@@ -138,16 +145,26 @@ class DecodeStep:
     def build(cls, model: nn.Module, decode: str = "auto") -> DecodeStep | None:
         if check(decode) == "model" or cls.unsupported(model) is not None:
             return None
-        return cls(model)
+        if decode == "compiled":
+            why = CompiledStep.unsupported(model)
+            if why is None:
+                return CompiledStep(model)
+            log.warning("--decode compiled: %s; kvchat's eager step instead", why)
+        return DecodeStep(model)
+
+    def _embed(self, token: torch.Tensor, position: torch.Tensor):
+        """The token's embedding [1, 1, hidden] and its rotary cos and sin', each [1, 1, 1, head_dim]."""
+        x = self.embed(token[None])
+        cos, sin = self.rotary(x, position[None])
+        half = self.head_dim // 2
+        # The model's x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), as x * cos + roll(x) * sin'
+        # with sin' = cat(-sin1, sin2): the same products ((-a) * b is a * (-b) exactly) in three kernels, not six.
+        return x, cos[:, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, cache, observer=None) -> torch.Tensor:
         """Logits [1, vocab] for one token id (``token``, shape [1]) at ``position`` ([1]) on top of ``cache``."""
-        x = self.embed(token[None])  # [1, 1, hidden]
-        cos, sin = self.rotary(x, position[None])  # [1, 1, head_dim]
+        x, cos, sin = self._embed(token, position)
         d, half = self.head_dim, self.head_dim // 2
-        # The model's x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), as x * cos + roll(x) * sin'
-        # with sin' = cat(-sin1, sin2): the same products ((-a) * b is a * (-b) exactly) in three kernels, not six.
-        cos, sin = cos[:, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]
         extra = {"kvchat_observer": observer} if observer is not None else {}
         for i, lay in enumerate(self.layers):
             nq, nk, _ = lay.split
@@ -162,3 +179,182 @@ class DecodeStep:
             gu = lay.gate_up(lay.norm2(x))
             x = x + lay.down(lay.act(gu[..., : lay.inner]) * gu[..., lay.inner:], widen=False)
         return self.head(self.norm(x))[0]
+
+
+def _product(x: torch.Tensor, pieces: tuple, widen: bool = True) -> torch.Tensor:
+    """``Projections`` inside the compiled graph: ``pieces`` is ((weight, bias), ...) — the fp16 copies concatenated
+    (``--weights half``) or the loaded linear layers, one product each."""
+    if len(pieces) == 1 and pieces[0][0].dtype == torch.float16:  # the fp16 copies, concatenated
+        weight, bias = pieces[0]
+        out = F.linear(x.to(torch.float16), weight)
+        if bias is not None:
+            return out.to(x.dtype) + bias
+        return out.to(x.dtype) if widen else out
+    outs = [F.linear(x, w, b) for w, b in pieces]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def _graph(x, cos, sin, lens, keys, values, params, final, shape):
+    """Every layer of one token's step, the output layer included: the graph ``torch.compile`` compiles.
+
+    ``keys``/``values``: each layer's buffer as [KV heads, capacity, dim]; the new key and value are written at slot
+    ``lens[layer, head]`` and attention runs over the whole buffer with the slots past that one masked, so the
+    shapes are the same at every step. Unused slots hold finite values (zeros when allocated, else what was
+    evicted), so their zero probabilities keep them out of the output. Returns the logits, the queries, keys, values ([layers, heads, dim]) and
+    each layer's attention probabilities ([KV heads, groups, capacity]) for the bookkeeping after the graph."""
+    nq, nk, d, inner, eps, scaling, act = shape
+    heads, half = nk // d, d // 2
+    hidx = torch.arange(heads)
+    qs, ks, vs, ps = [], [], [], []
+    for i, (n1, n2, qkv_w, o_w, gu_w, down_w) in enumerate(params):
+        kbuf, vbuf = keys[i], values[i]
+        cap = kbuf.shape[1]
+        qkv = _product(F.rms_norm(x, (x.shape[-1],), n1, eps), qkv_w)
+        qk = qkv[..., : nq + nk].view(1, -1, 1, d)
+        qk = qk * cos + qk.roll(half, -1) * sin
+        q, k = qk[0, : nq // d, 0], qk[0, nq // d:, 0]
+        v = qkv[0, 0, nq + nk:].view(heads, d)
+        kbuf.index_put_((hidx, lens[i]), k)
+        vbuf.index_put_((hidx, lens[i]), v)
+        scores = torch.bmm((q * scaling).view(heads, -1, d), kbuf.transpose(1, 2))
+        later = torch.arange(cap)[None, None, :] > lens[i][:, None, None]
+        probs = scores.masked_fill(later, float("-inf")).softmax(-1)
+        out = torch.bmm(probs, vbuf)
+        x = x + _product(out.reshape(1, 1, -1), o_w, widen=False)
+        gu = _product(F.rms_norm(x, (x.shape[-1],), n2, eps), gu_w)
+        x = x + _product(act(gu[..., :inner]) * gu[..., inner:], down_w, widen=False)
+        qs.append(q)
+        ks.append(k)
+        vs.append(v)
+        ps.append(probs)
+    norm_w, head_w = final
+    logits = _product(F.rms_norm(x, (x.shape[-1],), norm_w, eps), head_w)[0]
+    return logits, torch.stack(qs), torch.stack(ks), torch.stack(vs), ps
+
+
+class CompiledStep(DecodeStep):
+    """``--decode compiled``: the whole step — every layer, the cache write and attention, the output layer — as
+    one ``torch.compile`` graph (inductor, C++ on the CPU), which fuses the ~50 small operations per layer that
+    dispatch one by one in the eager step. Attention runs over each layer's whole preallocated buffer with the slots
+    past the new token masked, so the graph's shapes stay the same while the cache's capacity does (every bounded
+    policy between compressions). After the graph, each cache layer records what ``update`` would have
+    (``KVLayer.appended``: positions, statistics, the archive) and the observer gets the queries and probabilities,
+    as in the eager step.
+
+    The first step compiles (about a minute for the default model on this project's machine; inductor's cache makes
+    a later process's compile a few seconds); a capacity the graph has not seen compiles once more (with dynamic
+    shapes from the second). Steps the graph does not serve run the eager step: a layer whose heads have different
+    capacities (``headaware``'s per-head budgets), a cache with no room for the token (it resizes or compresses
+    first), the loaded weights in use (``weights.as_loaded``), a cache that grows (``full``: its buffer doubles,
+    and attention over all of it would read up to twice what it holds). If compiling fails (no C++ compiler), the session
+    keeps the eager step and says why once. Logits match the eager step's within float rounding (inductor sums in
+    another order), tests/test_step.py."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__(model)
+        first = self.layers[0]
+        nq, nk, _ = first.split
+        self.shape = (nq, nk, self.head_dim, first.inner, first.norm1.eps, first.attn.scaling, first.act)
+        self.compiled = None
+        self.compile_s: float | None = None  # seconds the first step took to compile
+        self.failed: str | None = None
+        self.calls = self.eager_calls = 0  # steps the graph took, steps it left to the eager step (not paused)
+        self.paused = False  # ``eager_only``
+        self.params = self._params()
+
+    @staticmethod
+    def unsupported(model: nn.Module) -> str | None:
+        why = DecodeStep.unsupported(model)
+        if why is not None:
+            return why
+        param = next(model.parameters())
+        if param.device.type != "cpu" or param.dtype != torch.float32:
+            return f"it serves fp32 models on the CPU (this one: {param.dtype} on {param.device.type})"
+        norms = [layer.input_layernorm for layer in model.model.layers] + [model.model.norm]
+        norms += [layer.post_attention_layernorm for layer in model.model.layers]
+        if not all(type(m).__name__ in NORMS and getattr(m, "variance_epsilon", None) is not None for m in norms):
+            return "its norms are not Llama's RMS norm"
+        return None
+
+    @staticmethod
+    def _pieces(proj: Projections) -> tuple:
+        if proj.halves:
+            return ((proj.weight, proj.bias),)
+        return tuple((m.weight, m.bias) for m in proj.linears)
+
+    def _params(self):
+        layers = tuple((lay.norm1.weight, lay.norm2.weight, self._pieces(lay.qkv), self._pieces(lay.o),
+                        self._pieces(lay.gate_up), self._pieces(lay.down)) for lay in self.layers)
+        head = self.head
+        if isinstance(head, HalfLinear):
+            head_w = ((head.step, head.bias),)
+        else:
+            head_w = ((head.weight, head.bias),)
+        return layers, (self.norm.weight, head_w)
+
+    @contextlib.contextmanager
+    def eager_only(self):
+        """Within the block every step runs the eager step (``kvchat bench speed`` times both)."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
+
+    def serves(self, cache) -> bool:
+        """Whether the graph can take this step: a cache of fixed capacity (budget + slack: attention over the
+        whole buffer reads at most the slack's slots more than it holds), every layer started, its heads of one
+        capacity, room for one more token in each; the one-token weights in use."""
+        qkv = self.layers[0].qkv
+        if self.paused or self.failed is not None or (qkv.halves and not qkv.linears[0].use_step):
+            return False
+        if cache.capacity is None:  # a growing cache (``full``): its buffer can be twice what it holds
+            return False
+        for layer in cache.layers:
+            if not layer.is_initialized or len(set(layer.caps)) != 1 or max(layer.lens) >= layer.caps[0]:
+                return False
+        return True
+
+    def __call__(self, token: torch.Tensor, position: torch.Tensor, cache, observer=None) -> torch.Tensor:
+        if not self.serves(cache):
+            self.eager_calls += not self.paused
+            return super().__call__(token, position, cache, observer)
+        x, cos, sin = self._embed(token, position)
+        layers = cache.layers
+        lens = torch.tensor([layer.lens for layer in layers])
+        keys = [layer.keys.view(layer.heads, layer.caps[0], -1) for layer in layers]
+        values = [layer.values.view(layer.heads, layer.caps[0], -1) for layer in layers]
+        params, final = self.params
+        try:
+            if self.compiled is None:
+                self.compiled = torch.compile(_graph, fullgraph=True)
+                log.warning("compiling the decode step (once per model and cache shape; about a minute the first "
+                            "time on a small CPU, seconds once inductor's cache has it)")
+                t = time.perf_counter()
+                out = self.compiled(x, cos, sin, lens, keys, values, params, final, self.shape)
+                self.compile_s = time.perf_counter() - t
+            else:
+                out = self.compiled(x, cos, sin, lens, keys, values, params, final, self.shape)
+        except Exception as exc:  # noqa: BLE001 — any compiler failure: the eager step, said once
+            # Nothing was recorded: at most the unused slot after each head was written, which stays unused.
+            self.failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            log.warning("--decode compiled failed (%s); kvchat's eager step instead", self.failed)
+            self.eager_calls += 1
+            return super().__call__(token, position, cache, observer)
+        self.calls += 1
+        logits, qs, ks, vs, probs = out
+        if observer is None:
+            for layer, k, v in zip(layers, ks, vs):
+                layer.appended(k, v)
+            return logits
+        for i, (lay, layer) in enumerate(zip(self.layers, layers)):
+            lens_i = list(layer.lens)
+            layer.appended(ks[i], vs[i])
+            if layer.uniform:
+                n = lens_i[0] + 1
+                key, p = keys[i][None, :, :n], [probs[i][..., :n]]
+            else:
+                key = RaggedKV([keys[i][h, : n + 1][None, None] for h, n in enumerate(lens_i)])
+                p = [probs[i][h: h + 1, :, : n + 1] for h, n in enumerate(lens_i)]
+            observer(lay.attn, qs[i][None, :, None], key, lay.attn.scaling, probs=p)
+        return logits

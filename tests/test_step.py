@@ -9,7 +9,7 @@ from kvchat.core import models, weights
 from kvchat.core.models import ChatModel
 from kvchat.core.session import Sampling, Session
 from kvchat.core.settings import Settings
-from kvchat.core.step import DecodeStep, Norm
+from kvchat.core.step import CompiledStep, DecodeStep, Norm
 
 from tinymodels import build_tiny
 
@@ -142,6 +142,157 @@ def test_other_architectures_decode_through_the_models_forward(arch, tokenizer):
 def test_unknown_decode_is_refused(tokenizer, model_dir):
     with pytest.raises(ValueError, match="unknown decode 'fast'"):
         DecodeStep.build(build_tiny("llama", tokenizer), "fast")
-    with pytest.raises(models.ModelError, match=r"unknown decode 'fast' \(auto, model\)"):
+    with pytest.raises(models.ModelError, match=r"unknown decode 'fast' \(auto, model, compiled\)"):
         models.load(str(model_dir), decode="fast")
     assert models.load(str(model_dir), decode="model").step is None
+
+
+# --decode compiled: the whole step as one torch.compile graph (core/step.py: CompiledStep) -------------------------
+def _eager_and_compiled(arch, tokenizer):
+    model = build_tiny(arch, tokenizer)
+    weights.apply(model, "half")
+    eager = ChatModel.from_pretrained_model(model, tokenizer, name="eager")
+    compiled = ChatModel.from_pretrained_model(copy.deepcopy(model), tokenizer, name="compiled", decode="compiled")
+    assert type(eager.step) is DecodeStep and isinstance(compiled.step, CompiledStep)
+    return eager, compiled
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_compiled_step_gives_the_eager_steps_logits_and_cache(arch, tokenizer):
+    """Through compressions (h2o at budget 40): the same logits within float rounding (inductor fuses and sums in
+    another order), the same positions, keys, values and H2O statistics, the same greedy tokens."""
+    eager, compiled = _eager_and_compiled(arch, tokenizer)
+    sessions = [Session(cm, Settings(policy="h2o", budget=40, slack=4), system=None) for cm in (eager, compiled)]
+    torch.manual_seed(1)
+    prompt = torch.randint(10, 1000, (30,)).tolist()
+    for s in sessions:
+        s.feed_raw(prompt, score=False)
+    idx = len(sessions[0].messages) - 1
+    token = int(sessions[0].last_logits.argmax())
+    for _ in range(24):
+        logits = [s._feed([([token], idx)], continue_message=True)[0] for s in sessions]
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+        assert int(logits[1].argmax()) == int(logits[0].argmax())
+        token = int(logits[0].argmax())
+    step = compiled.step
+    assert step.failed is None and step.calls >= 20  # the graph ran (steps right after a full cache run eagerly)
+    for a, b in zip(*(s.cache.layers for s in sessions)):
+        assert a.lens == b.lens and torch.equal(a.abs_pos, b.abs_pos)
+        n = a.lens[0]
+        for t in ("keys", "values"):
+            torch.testing.assert_close(getattr(b, t).view(b.heads, -1, b.keys.shape[-1])[:, :n],
+                                       getattr(a, t).view(a.heads, -1, a.keys.shape[-1])[:, :n],
+                                       atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(b.stats["acc"].view(b.heads, -1)[:, :n], a.stats["acc"].view(a.heads, -1)[:, :n],
+                                   atol=1e-5, rtol=1e-5)
+    assert sessions[0].evicted_total == sessions[1].evicted_total > 0
+
+
+def test_compiled_step_with_heads_of_different_lengths(tokenizer):
+    """Heads of one capacity holding different numbers of positions: masked per head in the graph, and the
+    observer's per-head probabilities as the eager step hands them over."""
+    eager, compiled = _eager_and_compiled("llama", tokenizer)
+    sessions = [Session(cm, Settings(policy="h2o", budget=100), system=None) for cm in (eager, compiled)]
+    torch.manual_seed(2)
+    prompt = torch.randint(10, 1000, (30,)).tolist()
+    for s in sessions:
+        s.feed_raw(prompt, score=False)
+        for layer in s.cache.layers:  # head 0 forgets its first 7 positions; both keep their capacity
+            layer.keep([torch.arange(7, 30), torch.arange(30)])
+        assert not s.cache.layers[0].uniform and len(set(s.cache.layers[0].caps)) == 1
+    idx = len(sessions[0].messages) - 1
+    token = 5
+    for _ in range(5):
+        logits = [s._feed([([token], idx)], continue_message=True)[0] for s in sessions]
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+        token = int(logits[0].argmax())
+    assert compiled.step.calls == 5
+    a, b = (s.cache.layers[1] for s in sessions)
+    assert a.lens == b.lens == [28, 35]
+    for h in range(2):
+        assert torch.equal(b.head_view(b.abs_pos, h), a.head_view(a.abs_pos, h))
+        torch.testing.assert_close(b.head_view(b.stats["acc"], h), a.head_view(a.stats["acc"], h),
+                                   atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "cake"])  # cake: every layer its own capacity
+def test_compiled_greedy_replies_are_the_eager_steps(policy, tokenizer):
+    eager, compiled = _eager_and_compiled("llama", tokenizer)
+    greedy = Sampling(max_new_tokens=16, temperature=0.0)
+    replies = []
+    for cm in (eager, compiled):
+        session = Session(cm, Settings(policy=policy, budget=48, slack=6), sampling=greedy)
+        replies.append([session.chat(f"Q{i} " + "tok " * 30).answer for i in range(3)])
+    assert replies[0] == replies[1]
+    assert compiled.step.calls > 0
+
+
+def test_compiled_step_never_reads_uninitialised_slots(tokenizer, monkeypatch):
+    """The cache's buffers allocated from memory full of NaN (what uninitialised memory may hold): cake's per-layer
+    capacities leave unused slots at the end of each buffer, and the compiled step's attention over the whole buffer
+    (unused slots masked) must stay finite and equal to the eager step's."""
+    from kvchat.core import layer as layer_module
+
+    class NanTorch:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*args, **kwargs):
+            t = torch.empty(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(layer_module, "torch", NanTorch())
+    eager, compiled = _eager_and_compiled("llama", tokenizer)
+    sessions = [Session(cm, Settings(policy="cake", budget=40, slack=6), system=None) for cm in (eager, compiled)]
+    torch.manual_seed(4)
+    prompt = torch.randint(10, 1000, (60,)).tolist()
+    for s in sessions:
+        s.feed_raw(prompt, score=False)
+    for token in range(5, 17):
+        logits = [s._feed([([token], 0)], continue_message=True)[0] for s in sessions]
+        assert torch.isfinite(logits[1]).all()
+        # a looser bound than above: here one fp16 product's rounding went the other way (2^-8 in a logit)
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-2, rtol=1e-2)
+    assert compiled.step.calls >= 10
+
+
+def test_compiled_step_falls_back_when_compiling_fails(tokenizer, monkeypatch, caplog):
+    """No C++ compiler (or any compiler error): the session keeps going on the eager step and says so once."""
+    eager, compiled = _eager_and_compiled("llama", tokenizer)
+
+    def broken(fn, **kwargs):
+        def run(*args):
+            raise RuntimeError("InductorError: no working C++ compiler found")
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    sessions = [Session(cm, Settings(policy="streaming", budget=64), system=None) for cm in (eager, compiled)]
+    for s in sessions:
+        s.feed_raw(list(range(20, 50)), score=False)
+    for token in (7, 8, 9):
+        logits = [s._feed([([token], 0)], continue_message=True)[0] for s in sessions]
+        assert torch.equal(logits[0], logits[1])
+    assert compiled.step.failed.startswith("RuntimeError: InductorError") and compiled.step.calls == 0
+    assert [r.message for r in caplog.records].count(
+        f"--decode compiled failed ({compiled.step.failed}); kvchat's eager step instead") == 1
+
+
+def test_compiled_decode_is_refused_where_it_cannot_run(tokenizer, caplog):
+    """A bf16 model (or one on a GPU) gets the eager step, with the reason logged."""
+    model = build_tiny("llama", tokenizer).to(torch.bfloat16)
+    cm = ChatModel.from_pretrained_model(model, tokenizer, decode="compiled")
+    assert type(cm.step) is DecodeStep
+    assert "fp32 models on the CPU (this one: torch.bfloat16 on cpu)" in caplog.text
+
+
+def test_compiled_step_leaves_a_growing_cache_to_the_eager_step(tokenizer):
+    """``full`` doubles its buffer: attention over the whole of it would read up to twice what it holds."""
+    eager, compiled = _eager_and_compiled("llama", tokenizer)
+    sessions = [Session(cm, Settings(policy="full"), system=None) for cm in (eager, compiled)]
+    for s in sessions:
+        s.feed_raw(list(range(20, 50)), score=False)
+    for token in (7, 8, 9, 10):
+        logits = [s._feed([([token], 0)], continue_message=True)[0] for s in sessions]
+        assert torch.equal(logits[0], logits[1])
+    assert compiled.step.calls == 0 and compiled.step.eager_calls == 4
