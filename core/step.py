@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 
 import torch
@@ -200,8 +201,9 @@ def _graph(x, cos, sin, lens, keys, values, params, final, shape):
     ``keys``/``values``: each layer's buffer as [KV heads, capacity, dim]; the new key and value are written at slot
     ``lens[layer, head]`` and attention runs over the whole buffer with the slots past that one masked, so the
     shapes are the same at every step. Unused slots hold finite values (zeros when allocated, else what was
-    evicted), so their zero probabilities keep them out of the output. Returns the logits, the queries, keys, values ([layers, heads, dim]) and
-    each layer's attention probabilities ([KV heads, groups, capacity]) for the bookkeeping after the graph."""
+    evicted), so their zero probabilities keep them out of the output. Returns the logits, the queries, keys,
+    values ([layers, heads, dim]) and each layer's attention probabilities ([KV heads, groups, capacity]) for the
+    bookkeeping after the graph."""
     nq, nk, d, inner, eps, scaling, act = shape
     heads, half = nk // d, d // 2
     hidx = torch.arange(heads)
@@ -246,9 +248,10 @@ class CompiledStep(DecodeStep):
     shapes from the second). Steps the graph does not serve run the eager step: a layer whose heads have different
     capacities (``headaware``'s per-head budgets), a cache with no room for the token (it resizes or compresses
     first), the loaded weights in use (``weights.as_loaded``), a cache that grows (``full``: its buffer doubles,
-    and attention over all of it would read up to twice what it holds). If compiling fails (no C++ compiler), the session
-    keeps the eager step and says why once. Logits match the eager step's within float rounding (inductor sums in
-    another order), tests/test_step.py."""
+    and attention over all of it would read up to twice what it holds). If compiling fails (no C++ compiler), the
+    session keeps the eager step and says why once. Logits match the eager step's within float rounding (inductor
+    sums in another order), tests/test_step.py. Sessions sharing the model in several threads take the graph one
+    step at a time."""
 
     def __init__(self, model: nn.Module):
         super().__init__(model)
@@ -260,6 +263,7 @@ class CompiledStep(DecodeStep):
         self.failed: str | None = None
         self.calls = self.eager_calls = 0  # steps the graph took, steps it left to the eager step (not paused)
         self.paused = False  # ``eager_only``
+        self._lock = threading.Lock()
         self.params = self._params()
 
     @staticmethod
@@ -315,6 +319,18 @@ class CompiledStep(DecodeStep):
                 return False
         return True
 
+    def _run(self, x, cos, sin, lens, keys, values):
+        params, final = self.params
+        if self.compiled is None:
+            self.compiled = torch.compile(_graph, fullgraph=True)
+            log.warning("compiling the decode step (once per model and cache shape; about a minute the first time "
+                        "on a small CPU, seconds once inductor's cache has it)")
+            t = time.perf_counter()
+            out = self.compiled(x, cos, sin, lens, keys, values, params, final, self.shape)
+            self.compile_s = time.perf_counter() - t
+            return out
+        return self.compiled(x, cos, sin, lens, keys, values, params, final, self.shape)
+
     def __call__(self, token: torch.Tensor, position: torch.Tensor, cache, observer=None) -> torch.Tensor:
         if not self.serves(cache):
             self.eager_calls += not self.paused
@@ -324,17 +340,9 @@ class CompiledStep(DecodeStep):
         lens = torch.tensor([layer.lens for layer in layers])
         keys = [layer.keys.view(layer.heads, layer.caps[0], -1) for layer in layers]
         values = [layer.values.view(layer.heads, layer.caps[0], -1) for layer in layers]
-        params, final = self.params
         try:
-            if self.compiled is None:
-                self.compiled = torch.compile(_graph, fullgraph=True)
-                log.warning("compiling the decode step (once per model and cache shape; about a minute the first "
-                            "time on a small CPU, seconds once inductor's cache has it)")
-                t = time.perf_counter()
-                out = self.compiled(x, cos, sin, lens, keys, values, params, final, self.shape)
-                self.compile_s = time.perf_counter() - t
-            else:
-                out = self.compiled(x, cos, sin, lens, keys, values, params, final, self.shape)
+            with self._lock:  # sessions of one model in several threads (the web UI): one compile, one step at a time
+                out = self._run(x, cos, sin, lens, keys, values)
         except Exception as exc:  # noqa: BLE001 — any compiler failure: the eager step, said once
             # Nothing was recorded: at most the unused slot after each head was written, which stays unused.
             self.failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"

@@ -296,3 +296,31 @@ def test_compiled_step_leaves_a_growing_cache_to_the_eager_step(tokenizer):
         logits = [s._feed([([token], 0)], continue_message=True)[0] for s in sessions]
         assert torch.equal(logits[0], logits[1])
     assert compiled.step.calls == 0 and compiled.step.eager_calls == 4
+
+
+def test_compiled_step_serves_sessions_in_several_threads(tokenizer):
+    """Two sessions of one model stepping at once (the web UI's threads) get what each gets alone."""
+    import threading
+
+    eager, compiled = _eager_and_compiled("llama", tokenizer)
+    prompts = [list(range(20, 60)), list(range(300, 330))]
+
+    def run(cm, prompt, out):
+        s = Session(cm, Settings(policy="streaming", budget=48, slack=6), system=None)
+        s.feed_raw(prompt, score=False)
+        out.extend(s._feed([([t], 0)], continue_message=True)[0] for t in range(5, 25))
+
+    want = [[], []]
+    for prompt, out in zip(prompts, want):
+        run(eager, prompt, out)
+    got = [[], []]
+    threads = [threading.Thread(target=run, args=(compiled, p, o)) for p, o in zip(prompts, got)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for w, g in zip(want, got):
+        assert len(g) == 20
+        for a, b in zip(w, g):
+            torch.testing.assert_close(b, a, atol=1e-2, rtol=1e-2)
+    assert compiled.step.calls >= 30 and compiled.step.failed is None
