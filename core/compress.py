@@ -23,7 +23,7 @@ import torch
 
 from ..policies import LayerView
 from .groups import select_keep
-from .rebuild import rebuild, slots
+from .rebuild import rebuild, slots, slots_of
 from .turns import now_iso
 
 MAX_CHUNK = 512  # longest prefill forward
@@ -149,11 +149,11 @@ def compress(session, keep: int, reason: str, bring: torch.Tensor | None = None)
         for p in plans:
             p.layer.keep(p.index, rotary, next_pos, p.caps)
     else:  # every key taken from the archive and rotated once to its slot: all layers at once (core/rebuild.py)
-        built, last = [], None
-        for p in plans:
-            if last is None or p.index is not last[0] or p.layer.stats or last[1].stats:
-                last = (p.index, slots(p.layer, p.index, bring))
-            built.append((p.layer, last[1], p.caps))
+        if all(p.index is plans[0].index for p in plans) and not any(p.layer.stats for p in plans):
+            shared = slots(plans[0].layer, plans[0].index, bring)  # a position-only policy: one choice for all
+            built = [(p.layer, shared, p.caps) for p in plans]
+        else:
+            built = [(p.layer, s, p.caps) for p, s in zip(plans, slots_of([(p.layer, p.index) for p in plans], bring))]
         rebuild(built, cache.archive, session.model.rotary, s.positions == "original", next_pos)
     after = cache.mean_length
     brought = sum(sum(p.missing) for p in plans) / max(sum(len(p.missing) for p in plans), 1)

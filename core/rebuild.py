@@ -95,6 +95,58 @@ def slots(layer, index: list[torch.Tensor], bring: torch.Tensor | None) -> Slots
     return Slots(held, lens, {name: t[:, :width] for name, t in stats.items()})
 
 
+def slots_of(pairs: list[tuple], bring: torch.Tensor | None) -> list[Slots]:
+    """``slots(layer, index, bring)`` for every ``(layer, index)`` of ``pairs``, computed at once: every head of
+    every layer is a row of the same operations (recall's put-back on a policy that chooses per layer and head
+    would otherwise run them layer by layer). The same results as ``slots``, layer by layer (tests/test_recall.py).
+    Layers on several devices, of other widths or statistics fall back to ``slots`` per layer."""
+    layers = [layer for layer, _ in pairs]
+    names = sorted(layers[0].stats) if layers else []
+    if len(pairs) < 2 or any(sorted(layer.stats) != names or layer.device != layers[0].device for layer in layers):
+        return [slots(layer, index, bring) for layer, index in pairs]
+    device = layers[0].device
+    heads = [layer.heads for layer in layers]
+    rows = [i for _, index in pairs for i in index]
+    sizes = [int(i.numel()) for i in rows]
+    width = max(sizes, default=0)
+    base = torch.tensor([0] + [layer.abs_pos.numel() for layer in layers[:-1]]).cumsum(0).tolist()
+    starts = torch.tensor([b + o for b, layer in zip(base, layers) for o in layer.offs], device=device)
+    index = torch.nn.utils.rnn.pad_sequence([i.to(device) for i in rows], batch_first=True) if width else \
+        torch.zeros(len(rows), 0, dtype=torch.long, device=device)
+    used = torch.arange(width, device=device)[None, :] < torch.tensor(sizes, device=device)[:, None]
+    flat = index + starts[:, None]
+    kept = torch.cat([layer.abs_pos for layer in layers])[flat].long().masked_fill(~used, _PAD).cpu()
+    stats = {name: torch.cat([layer.stats[name] for layer in layers])[flat] * used for name in names}
+    lens = sizes
+    if bring is not None and bring.numel():
+        b, n_rows = bring.numel(), len(rows)
+        wanted = bring.cpu().long()[None].expand(n_rows, b)
+        if width:
+            at = torch.searchsorted(kept, wanted.contiguous()).clamp(max=width - 1)
+            has = kept.gather(1, at) == wanted
+        else:
+            has = torch.zeros(n_rows, b, dtype=torch.bool)
+        merged, order = torch.sort(torch.cat([kept, wanted.masked_fill(has, _PAD)], 1), dim=1, stable=True)
+        lens = [n + int(m) for n, m in zip(sizes, (~has).sum(1).tolist())]
+        full = max(lens)
+        kept, order = merged[:, :full], order[:, :full].to(device)
+        for name, t in stats.items():
+            # each row's median over its kept slots (the lower middle one, as ``median``); 0 for a row with none
+            fill = t.masked_fill(~used, float("nan")).nanmedian(dim=1).values.nan_to_num(0.0) if width else \
+                t.new_zeros(n_rows)
+            stats[name] = torch.cat([t, fill[:, None].expand(n_rows, b)], 1).gather(1, order)
+    out, row = [], 0
+    for h in heads:
+        layer_lens = lens[row: row + h]
+        w = max(layer_lens, default=0)
+        held = kept[row: row + h, :w]
+        if any(n < w for n in layer_lens):
+            held = torch.where(torch.arange(w)[None, :] < torch.tensor(layer_lens)[:, None], held, 0)
+        out.append(Slots(held, layer_lens, {name: t[row: row + h, :w] for name, t in stats.items()}))
+        row += h
+    return out
+
+
 def rebuild(plans: list[tuple], archive, rotary: Rotary | None, original: bool,
             next_pos: int | None = None) -> None:
     """Refill each ``(layer, slots, caps)`` of ``plans`` from the archive: values as archived, keys rotated once

@@ -391,3 +391,40 @@ def test_a_recalled_sentence_comes_with_its_scaffolding_and_the_next_sentence_of
     assert choose(relevance, spans, kept, content, 6, 100, 0.5, message) == [[0, 1]]
     other = torch.tensor([0, 0, 1, 1, 1, 1])
     assert choose(relevance, spans, held, content, 6, 100, 0.5, other) == [[0, 1]]
+
+
+@pytest.mark.parametrize("policy", ["h2o", "headaware"])  # h2o: a statistic per slot; headaware: heads' own lengths
+def test_put_back_slots_of_all_layers_at_once_are_each_layers(policy, tiny):
+    """``slots_of`` (every layer's heads as rows of one computation) gives what ``slots`` gives layer by layer: the
+    same held positions, lengths and statistics, with and without brought positions, for heads keeping different
+    numbers of slots (none, too)."""
+    from kvchat.core.rebuild import slots, slots_of
+
+    session = Session(tiny("llama"), _settings(policy=policy, budget=40), system=None)
+    session.feed_raw(list(range(20, 120)), score=False)
+    layers = [layer for layer in session.cache.layers if layer.is_initialized]
+    gen = torch.Generator().manual_seed(0)
+    for case in range(4):
+        pairs = []
+        for li, layer in enumerate(layers):
+            index = []
+            for h in range(layer.heads):
+                n = layer.lens[h]
+                size = int(torch.randint(n // 3, n + 1, (1,), generator=gen))
+                if case == 3 and h == 0 and li == 1:
+                    size = 0  # a head that keeps nothing of its own
+                if case == 0:
+                    size = n // 2  # every head of every layer the same size
+                index.append(torch.randperm(n, generator=gen)[:size].sort().values)
+            pairs.append((layer, index))
+        held = layers[0].positions()[0]
+        bring = None if case == 1 else torch.cat([held[held >= 0][::5], torch.arange(200, 206)]).unique()
+        batched = slots_of(pairs, bring)
+        for (layer, index), got in zip(pairs, batched):
+            want = slots(layer, index, bring)
+            assert got.lens == want.lens and torch.equal(got.held, want.held)
+            for h, n in enumerate(want.lens):
+                assert torch.equal(got.held[h, :n], want.held[h, :n])
+                for name in want.stats:
+                    assert torch.equal(got.stats[name][h, :n], want.stats[name][h, :n])
+            assert set(got.stats) == set(want.stats) and (policy != "h2o" or "acc" in want.stats)
