@@ -63,49 +63,42 @@ class KVLayer(CacheLayerMixin):
         q = key_states.shape[-2]
         if any(n + q > c for n, c in zip(self.lens, self.caps)):
             self.resize([self._owner.grown_capacity(n + q, c) for n, c in zip(self.lens, self.caps)])
-        incoming = self._owner.incoming_abs
-        if self._owner.archive is not None:
-            self._owner.archive.stage(self.index, key_states, value_states)
         if self.uniform:
             n, cap = self.lens[0], self.caps[0]
             keys, values = self.keys.view(self.heads, cap, -1), self.values.view(self.heads, cap, -1)
             keys[:, n: n + q] = key_states[0]
             values[:, n: n + q] = value_states[0]
-            self.abs_pos.view(self.heads, cap)[:, n: n + q] = incoming
-            for t in self.stats.values():
-                t.view(self.heads, cap)[:, n: n + q] = 0
-            self.lens = [n + q] * self.heads
+            self.appended(key_states, value_states)
             return keys[None, :, : n + q], values[None, :, : n + q]
         for h in range(self.heads):
             a = self.offs[h] + self.lens[h]
             self.keys[a: a + q] = key_states[0, h]
             self.values[a: a + q] = value_states[0, h]
+        self.appended(key_states, value_states)
+        return self.split()
+
+    def appended(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """What ``update`` records besides writing the keys and values ([1, heads, q, dim]) after each head's last
+        used slot: the archive's copy, the tokens' positions, zeroed statistics; then every head holds q more. The
+        compiled decode step (core/step.py) writes a token's key and value itself and calls this; the caller checked
+        the room."""
+        q = key_states.shape[-2]
+        incoming = self._owner.incoming_abs
+        if self._owner.archive is not None:
+            self._owner.archive.stage(self.index, key_states, value_states)
+        if self.uniform:
+            n, cap = self.lens[0], self.caps[0]
+            self.abs_pos.view(self.heads, cap)[:, n: n + q] = incoming
+            for t in self.stats.values():
+                t.view(self.heads, cap)[:, n: n + q] = 0
+            self.lens = [n + q] * self.heads
+            return
+        for h in range(self.heads):
+            a = self.offs[h] + self.lens[h]
             self.abs_pos[a: a + q] = incoming
             for t in self.stats.values():
                 t[a: a + q] = 0
             self.lens[h] += q
-        return self.split()
-
-    def appended(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """What ``update`` records besides the keys and values, for one token whose key and value ([heads, dim])
-        the compiled decode step (core/step.py) already wrote at slot ``lens[h]`` of every head: its position,
-        zeroed statistics, the archive's copy; then every head holds one more. The caller checked the room."""
-        incoming = self._owner.incoming_abs
-        if self._owner.archive is not None:
-            self._owner.archive.stage(self.index, key[None, :, None], value[None, :, None])
-        if self.uniform:
-            n, cap = self.lens[0], self.caps[0]
-            self.abs_pos.view(self.heads, cap)[:, n] = incoming
-            for t in self.stats.values():
-                t.view(self.heads, cap)[:, n] = 0
-            self.lens = [n + 1] * self.heads
-            return
-        for h in range(self.heads):
-            a = self.offs[h] + self.lens[h]
-            self.abs_pos[a] = incoming[0]
-            for t in self.stats.values():
-                t[a] = 0
-            self.lens[h] += 1
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return max(self.lens, default=0) + query_length, 0

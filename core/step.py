@@ -353,11 +353,11 @@ class CompiledStep(DecodeStep):
         logits, qs, ks, vs, probs = out
         if observer is None:
             for layer, k, v in zip(layers, ks, vs):
-                layer.appended(k, v)
+                layer.appended(k[None, :, None], v[None, :, None])
             return logits
         for i, (lay, layer) in enumerate(zip(self.layers, layers)):
             lens_i = list(layer.lens)
-            layer.appended(ks[i], vs[i])
+            layer.appended(ks[i][None, :, None], vs[i][None, :, None])
             if layer.uniform:
                 n = lens_i[0] + 1
                 key, p = keys[i][None, :, :n], [probs[i][..., :n]]
