@@ -5,9 +5,9 @@ ascending list of absolute positions, and every key is the archived key rotated 
 to its slot's position (core/archive.py). Doing that layer by layer costs a few dozen small operations per layer;
 here it is three steps:
 
-1. per layer, which positions each head holds (``slots``: the kept slots' positions and statistics, and with
-   recall the brought positions the head lacks, merged in position order), vectorised over the heads; layers
-   that keep the same slots (position-only policies) share one result;
+1. which positions each head holds (``slots_of``: the kept slots' positions and statistics, and with recall the
+   brought positions the head lacks, merged in position order), every head of every layer a row of the same
+   operations; layers that keep the same slots (position-only policies) share one result;
 2. for a chunk of layers, one read of the archive and one rotation (``Archive.read``; the rotation's cos/sin are
    computed once when the layers share their positions);
 3. per layer, one copy into its buffers (``KVLayer.fill``).
@@ -54,56 +54,19 @@ class Slots:
 def slots(layer, index: list[torch.Tensor], bring: torch.Tensor | None) -> Slots:
     """Layer ``layer`` keeping, per head, its slots ``index[h]`` (ascending) and, with ``bring`` (absolute
     positions, ascending), gaining those of them the head lacks. A brought slot starts each statistic at the
-    median of the head's kept ones."""
-    heads, device = layer.heads, layer.device
-    sizes = [int(i.numel()) for i in index]
-    if layer.uniform and len(set(sizes)) == 1:
-        idx = torch.stack(list(index)).to(device)
-        cap = layer.caps[0]
-        kept = torch.gather(layer.abs_pos.view(heads, cap), 1, idx).long().cpu()
-        stats = {name: torch.gather(t.view(heads, cap), 1, idx) for name, t in layer.stats.items()}
-    else:
-        width = max(sizes, default=0)
-        kept = torch.full((heads, width), _PAD, dtype=torch.long)
-        stats = {name: torch.zeros(heads, width, dtype=t.dtype, device=device) for name, t in layer.stats.items()}
-        for h, idx in enumerate(index):
-            src = idx.to(device) + layer.offs[h]
-            kept[h, : sizes[h]] = layer.abs_pos[src].long().cpu()
-            for name, t in layer.stats.items():
-                stats[name][h, : sizes[h]] = t[src]
-    lens = sizes
-    if bring is not None and bring.numel():
-        b = bring.numel()
-        wanted = bring.cpu().long()[None].expand(heads, b)
-        if kept.shape[1]:
-            at = torch.searchsorted(kept, wanted.contiguous()).clamp(max=kept.shape[1] - 1)
-            has = kept.gather(1, at) == wanted
-        else:
-            has = torch.zeros(heads, b, dtype=torch.bool)
-        merged, order = torch.sort(torch.cat([kept, wanted.masked_fill(has, _PAD)], 1), dim=1, stable=True)
-        lens = [n + int(m) for n, m in zip(sizes, (~has).sum(1).tolist())]
-        width = max(lens)
-        kept, order = merged[:, :width], order[:, :width].to(device)
-        for name, t in stats.items():
-            fill = torch.stack([t[h, : sizes[h]].median() if sizes[h] else t.new_zeros(()) for h in range(heads)]) \
-                if len(set(sizes)) > 1 or not sizes[0] else t.median(dim=1).values
-            stats[name] = torch.cat([t, fill[:, None].expand(heads, b)], 1).gather(1, order)
-    width = max(lens, default=0)
-    held = kept[:, :width]
-    if any(n < width for n in lens):
-        held = torch.where(torch.arange(width)[None, :] < torch.tensor(lens)[:, None], held, 0)
-    return Slots(held, lens, {name: t[:, :width] for name, t in stats.items()})
+    median of the head's kept ones (the lower middle one; 0 for a head that keeps none)."""
+    return slots_of([(layer, index)], bring)[0]
 
 
 def slots_of(pairs: list[tuple], bring: torch.Tensor | None) -> list[Slots]:
     """``slots(layer, index, bring)`` for every ``(layer, index)`` of ``pairs``, computed at once: every head of
     every layer is a row of the same operations (recall's put-back on a policy that chooses per layer and head
-    would otherwise run them layer by layer). The same results as ``slots``, layer by layer (tests/test_recall.py).
-    Layers on several devices, of other widths or statistics fall back to ``slots`` per layer."""
+    would otherwise run them layer by layer). Layers on several devices or with other statistics are computed one
+    by one."""
     layers = [layer for layer, _ in pairs]
     names = sorted(layers[0].stats) if layers else []
-    if len(pairs) < 2 or any(sorted(layer.stats) != names or layer.device != layers[0].device for layer in layers):
-        return [slots(layer, index, bring) for layer, index in pairs]
+    if any(sorted(layer.stats) != names or layer.device != layers[0].device for layer in layers):
+        return [slots_of([pair], bring)[0] for pair in pairs]
     device = layers[0].device
     heads = [layer.heads for layer in layers]
     rows = [i for _, index in pairs for i in index]

@@ -25,16 +25,20 @@ def _models(arch, tokenizer, held):
     return fast, slow
 
 
-@pytest.mark.parametrize("held", ["model", "half"])
-@pytest.mark.parametrize("arch", FAMILIES)
-def test_step_gives_the_models_logits_and_cache(arch, held, tokenizer):
-    fast, slow = _models(arch, tokenizer, held)
-    sessions = [Session(cm, Settings(policy="h2o", budget=40, slack=4), system=None,
-                        sampling=Sampling(temperature=0.0)) for cm in (fast, slow)]
-    torch.manual_seed(1)
+def _prefilled(models_, seed: int = 1, **settings) -> list[Session]:
+    """A session per model, each fed the same 30 random tokens."""
+    sessions = [Session(cm, Settings(**settings), system=None, sampling=Sampling(temperature=0.0)) for cm in models_]
+    torch.manual_seed(seed)
     prompt = torch.randint(10, 1000, (30,)).tolist()
     for s in sessions:
         s.feed_raw(prompt, score=False)
+    return sessions
+
+
+@pytest.mark.parametrize("held", ["model", "half"])
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_step_gives_the_models_logits_and_cache(arch, held, tokenizer):
+    sessions = _prefilled(_models(arch, tokenizer, held), policy="h2o", budget=40, slack=4)
     idx = len(sessions[0].messages) - 1
     token = int(sessions[0].last_logits.argmax())
     for _ in range(20):  # past the budget: compressions, h2o's statistics, re-rotated keys
@@ -82,12 +86,8 @@ def test_greedy_replies_are_the_models(tokenizer):
 
 def test_heads_of_different_lengths(tokenizer):
     """Heads of one layer holding different numbers of positions (what per-head budgets leave) step as the model."""
-    fast, slow = _models("qwen2", tokenizer, "model")
-    sessions = [Session(cm, Settings(policy="window", budget=100), system=None) for cm in (fast, slow)]
-    torch.manual_seed(2)
-    prompt = torch.randint(10, 1000, (30,)).tolist()
+    sessions = _prefilled(_models("qwen2", tokenizer, "model"), seed=2, policy="window", budget=100)
     for s in sessions:
-        s.feed_raw(prompt, score=False)
         for layer in s.cache.layers:  # head 0 forgets its first 7 positions
             layer.keep([torch.arange(7, 30), torch.arange(30)])
         assert not s.cache.layers[0].uniform
@@ -161,12 +161,8 @@ def _eager_and_compiled(arch, tokenizer):
 def test_compiled_step_gives_the_eager_steps_logits_and_cache(arch, tokenizer):
     """Through compressions (h2o at budget 40): the same logits within float rounding (inductor fuses and sums in
     another order), the same positions, keys, values and H2O statistics, the same greedy tokens."""
-    eager, compiled = _eager_and_compiled(arch, tokenizer)
-    sessions = [Session(cm, Settings(policy="h2o", budget=40, slack=4), system=None) for cm in (eager, compiled)]
-    torch.manual_seed(1)
-    prompt = torch.randint(10, 1000, (30,)).tolist()
-    for s in sessions:
-        s.feed_raw(prompt, score=False)
+    sessions = _prefilled(_eager_and_compiled(arch, tokenizer), policy="h2o", budget=40, slack=4)
+    eager, compiled = (s.model for s in sessions)
     idx = len(sessions[0].messages) - 1
     token = int(sessions[0].last_logits.argmax())
     for _ in range(24):
@@ -191,12 +187,9 @@ def test_compiled_step_gives_the_eager_steps_logits_and_cache(arch, tokenizer):
 def test_compiled_step_with_heads_of_different_lengths(tokenizer):
     """Heads of one capacity holding different numbers of positions: masked per head in the graph, and the
     observer's per-head probabilities as the eager step hands them over."""
-    eager, compiled = _eager_and_compiled("llama", tokenizer)
-    sessions = [Session(cm, Settings(policy="h2o", budget=100), system=None) for cm in (eager, compiled)]
-    torch.manual_seed(2)
-    prompt = torch.randint(10, 1000, (30,)).tolist()
+    sessions = _prefilled(_eager_and_compiled("llama", tokenizer), seed=2, policy="h2o", budget=100)
+    compiled = sessions[1].model
     for s in sessions:
-        s.feed_raw(prompt, score=False)
         for layer in s.cache.layers:  # head 0 forgets its first 7 positions; both keep their capacity
             layer.keep([torch.arange(7, 30), torch.arange(30)])
         assert not s.cache.layers[0].uniform and len(set(s.cache.layers[0].caps)) == 1
