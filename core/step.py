@@ -74,16 +74,30 @@ class Projections:
                                                                                  device=m.weight.device)
                                    for b, m in zip(biases, linears)])
 
+    def pieces(self) -> tuple[bool, tuple]:
+        """What ``product`` multiplies by now: the fp16 copies, concatenated, while the one-token path is in use
+        (``weights.as_loaded`` turns it off), else the loaded layers."""
+        if self.halves and self.linears[0].use_step:
+            return True, ((self.weight, self.bias),)
+        return False, tuple((m.weight, m.bias) for m in self.linears)
+
     def __call__(self, x: torch.Tensor, widen: bool = True) -> torch.Tensor:
-        """``widen=False``: an fp16 product is returned as it is (without a bias), for a sum that widens it anyway
-        (``x + out`` computes ``x + out.float()`` exactly, in one kernel)."""
-        if self.halves and self.linears[0].use_step:  # as HalfLinear computes it, for all of them at once
-            out = F.linear(x.to(self.weight.dtype), self.weight)
-            if self.bias is not None:
-                return out.to(x.dtype) + self.bias
-            return out.to(x.dtype) if widen else out
-        outs = [F.linear(x, m.weight, m.bias) for m in self.linears]
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        return product(x, *self.pieces(), widen=widen)
+
+
+def product(x: torch.Tensor, copies: bool, pieces: tuple, widen: bool = True) -> torch.Tensor:
+    """x times the weights of ``pieces`` ((weight, bias), ...). ``copies``: one concatenation of fp16 copies, as
+    ``HalfLinear`` computes it — x cast to fp16, the output widened back and the bias added after; ``widen=False``
+    returns an fp16 product as it is (without a bias) for a sum that widens it anyway (``x + out`` computes
+    ``x + out.float()`` exactly, in one kernel). Else the loaded layers, one product each, concatenated."""
+    if copies:
+        weight, bias = pieces[0]
+        out = F.linear(x.to(weight.dtype), weight)
+        if bias is not None:
+            return out.to(x.dtype) + bias
+        return out.to(x.dtype) if widen else out
+    outs = [F.linear(x, w, b) for w, b in pieces]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
 class Norm:
@@ -182,19 +196,6 @@ class DecodeStep:
         return self.head(self.norm(x))[0]
 
 
-def _product(x: torch.Tensor, pieces: tuple, widen: bool = True) -> torch.Tensor:
-    """``Projections`` inside the compiled graph: ``pieces`` is ((weight, bias), ...) — the fp16 copies concatenated
-    (``--weights half``) or the loaded linear layers, one product each."""
-    if len(pieces) == 1 and pieces[0][0].dtype == torch.float16:  # the fp16 copies, concatenated
-        weight, bias = pieces[0]
-        out = F.linear(x.to(torch.float16), weight)
-        if bias is not None:
-            return out.to(x.dtype) + bias
-        return out.to(x.dtype) if widen else out
-    outs = [F.linear(x, w, b) for w, b in pieces]
-    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-
-
 def _graph(x, cos, sin, lens, keys, values, params, final, shape):
     """Every layer of one token's step, the output layer included: the graph ``torch.compile`` compiles.
 
@@ -211,7 +212,7 @@ def _graph(x, cos, sin, lens, keys, values, params, final, shape):
     for i, (n1, n2, qkv_w, o_w, gu_w, down_w) in enumerate(params):
         kbuf, vbuf = keys[i], values[i]
         cap = kbuf.shape[1]
-        qkv = _product(F.rms_norm(x, (x.shape[-1],), n1, eps), qkv_w)
+        qkv = product(F.rms_norm(x, (x.shape[-1],), n1, eps), *qkv_w)
         qk = qkv[..., : nq + nk].view(1, -1, 1, d)
         qk = qk * cos + qk.roll(half, -1) * sin
         q, k = qk[0, : nq // d, 0], qk[0, nq // d:, 0]
@@ -222,15 +223,15 @@ def _graph(x, cos, sin, lens, keys, values, params, final, shape):
         later = torch.arange(cap)[None, None, :] > lens[i][:, None, None]
         probs = scores.masked_fill(later, float("-inf")).softmax(-1)
         out = torch.bmm(probs, vbuf)
-        x = x + _product(out.reshape(1, 1, -1), o_w, widen=False)
-        gu = _product(F.rms_norm(x, (x.shape[-1],), n2, eps), gu_w)
-        x = x + _product(act(gu[..., :inner]) * gu[..., inner:], down_w, widen=False)
+        x = x + product(out.reshape(1, 1, -1), *o_w, widen=False)
+        gu = product(F.rms_norm(x, (x.shape[-1],), n2, eps), *gu_w)
+        x = x + product(act(gu[..., :inner]) * gu[..., inner:], *down_w, widen=False)
         qs.append(q)
         ks.append(k)
         vs.append(v)
         ps.append(probs)
     norm_w, head_w = final
-    logits = _product(F.rms_norm(x, (x.shape[-1],), norm_w, eps), head_w)[0]
+    logits = product(F.rms_norm(x, (x.shape[-1],), norm_w, eps), *head_w)[0]
     return logits, torch.stack(qs), torch.stack(ks), torch.stack(vs), ps
 
 
@@ -280,20 +281,13 @@ class CompiledStep(DecodeStep):
             return "its norms are not Llama's RMS norm"
         return None
 
-    @staticmethod
-    def _pieces(proj: Projections) -> tuple:
-        if proj.halves:
-            return ((proj.weight, proj.bias),)
-        return tuple((m.weight, m.bias) for m in proj.linears)
-
     def _params(self):
-        layers = tuple((lay.norm1.weight, lay.norm2.weight, self._pieces(lay.qkv), self._pieces(lay.o),
-                        self._pieces(lay.gate_up), self._pieces(lay.down)) for lay in self.layers)
+        """The graph's weights (the steps it takes use the one-token copies: ``serves``)."""
+        layers = tuple((lay.norm1.weight, lay.norm2.weight, lay.qkv.pieces(), lay.o.pieces(), lay.gate_up.pieces(),
+                        lay.down.pieces()) for lay in self.layers)
         head = self.head
-        if isinstance(head, HalfLinear):
-            head_w = ((head.step, head.bias),)
-        else:
-            head_w = ((head.weight, head.bias),)
+        head_w = (True, ((head.step, head.bias),)) if isinstance(head, HalfLinear) else \
+            (False, ((head.weight, head.bias),))
         return layers, (self.norm.weight, head_w)
 
     @contextlib.contextmanager
