@@ -317,3 +317,31 @@ def test_compiled_step_serves_sessions_in_several_threads(tokenizer):
         for a, b in zip(w, g):
             torch.testing.assert_close(b, a, atol=1e-2, rtol=1e-2)
     assert compiled.step.calls >= 30 and compiled.step.failed is None
+
+
+def test_compiled_step_archives_what_the_eager_step_archives(tokenizer, tmp_path):
+    """A stored conversation: every decoded token's key and value reach the archive (compressions in ``rerotate``
+    mode read the kept keys back from it, so the logits after them depend on it), as with the eager step."""
+    from kvchat.storage.db import Store
+
+    models_ = _eager_and_compiled("llama", tokenizer)
+    sessions = [Session(cm, Settings(policy="h2o", budget=40, slack=4), system=None, store=Store(tmp_path / f"{i}.db"))
+                for i, cm in enumerate(models_)]
+    for s in sessions:
+        s.feed_raw(list(range(40, 70)), score=False)
+    for token in range(5, 25):  # through compressions
+        logits = [s._feed([([token], 0)], continue_message=True)[0] for s in sessions]
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-2, rtol=1e-2)  # as in the NaN test: fp16 rounding
+    a, b = (s.archive for s in sessions)
+    assert a.n == b.n == 50 and models_[1].step.calls >= 15
+    positions = torch.arange(30, 50)[None, None].expand(2, 2, -1)
+    for got, want in zip(b.read([0, 1], positions), a.read([0, 1], positions)):
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+    # exactly what the graph wrote into the cache: the last token (compressions come before a step, not after)
+    for li, layer in enumerate(sessions[1].cache.layers):
+        n, cap = layer.lens[0], layer.caps[0]
+        held = layer.abs_pos.view(layer.heads, cap)[:, n - 1: n].long()
+        assert held.flatten().tolist() == [49] * layer.heads
+        keys, values, _ = b.read([li], held[None])
+        assert torch.equal(keys[0], layer.keys.view(layer.heads, cap, -1)[:, n - 1: n])
+        assert torch.equal(values[0], layer.values.view(layer.heads, cap, -1)[:, n - 1: n])
