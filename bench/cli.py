@@ -16,7 +16,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..core.step import DECODE
+from ..core.step import DECODE, CompiledStep
 from ..core.weights import WEIGHTS
 from ..policies import POLICIES
 
@@ -153,8 +153,9 @@ def run(args) -> int:
     cm = load_model(args.model, weights=args.weights, decode=args.decode)
     failed = []
     for mod, ns in plans:
+        decode = "model" if cm.step is None else "compiled" if isinstance(cm.step, CompiledStep) else "kvchat"
         config = {**{k: v for k, v in vars(ns).items() if k not in ("json", "out")}, "weights": cm.weights,
-                  "decode": "model" if cm.step is None else "compiled" if hasattr(cm.step, "compile_s") else "kvchat"}
+                  "decode": decode}
         bench = Run(mod.NAME, args.quick, config, model=cm.name, command=command_line(args.bench, args, ns, mod))
         log(f"== bench {mod.NAME}{' (quick)' if args.quick else ''}")
         try:
