@@ -208,6 +208,28 @@ def test_compiled_step_with_heads_of_different_lengths(tokenizer):
                                    atol=1e-5, rtol=1e-5)
 
 
+def test_compiled_step_through_budget_changes(tokenizer):
+    """A live budget change gives the buffers another capacity: the graph compiles again (dynamic shapes from the
+    second shape on) and still gives the eager step's logits, before and after each change."""
+    sessions = _prefilled(_eager_and_compiled("llama", tokenizer), seed=3, policy="streaming", budget=40, slack=4)
+    compiled = sessions[1].model.step
+    idx = len(sessions[0].messages) - 1
+    token = int(sessions[0].last_logits.argmax())
+    caps = set()
+    for budget in (40, 24, 56, 32):
+        for s in sessions:
+            s.configure(budget=budget)
+        for _ in range(12):
+            logits = [s._feed([([token], idx)], continue_message=True)[0] for s in sessions]
+            # 1e-2: where one fp16 product's rounding flips, every logit moves by up to 2^-7 (as in the tests below)
+            torch.testing.assert_close(logits[1], logits[0], atol=1e-2, rtol=0)
+            assert int(logits[1].argmax()) == int(logits[0].argmax())
+            token = int(logits[0].argmax())
+            caps.add(sessions[1].cache.layers[0].caps[0])
+        assert [layer.lens for layer in sessions[0].cache.layers] == [layer.lens for layer in sessions[1].cache.layers]
+    assert len(caps) >= 3 and compiled.failed is None and compiled.calls >= 30
+
+
 @pytest.mark.parametrize("policy", ["snapkv", "cake"])  # cake: every layer its own capacity
 def test_compiled_greedy_replies_are_the_eager_steps(policy, tokenizer):
     eager, compiled = _eager_and_compiled("llama", tokenizer)
