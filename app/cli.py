@@ -41,7 +41,7 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         "as loaded), model (as loaded), auto (half for an fp32 model on the CPU; default auto)")
     g.add_argument("--decode", default="auto", choices=DECODE,
                    help="one-token steps: auto (kvchat's step for Llama-family models, core/step.py; others through "
-                        "the model's forward), compiled (that step as one torch.compile graph: about a minute to "
+                        "the model's forward), compiled (that step as one torch.compile graph: a minute or two to "
                         "compile the first time), model (every step through the model's forward; default auto)")
     g.add_argument("--device-map", default=None, help="e.g. auto: spread a large model over devices (accelerate)")
     g.add_argument("--chat-template", default=None, help="'plain' or a Jinja file, for models without a template")

@@ -30,7 +30,7 @@ OTHER_FLAGS = (
      "`auto`: one-token steps of Llama-family models (Llama, Mistral, Qwen2) run in kvchat's step (`core/step.py`: the "
      "model's computation without transformers' per-module dispatch, q/k/v and gate/up as one product each), other "
      "models through their forward; `compiled`: that step, every layer in one `torch.compile` graph (fp32 models on "
-     "the CPU; about a minute to compile the first time, seconds once inductor's cache has it; eager step if "
+     "the CPU; a minute or two to compile the first time, seconds once inductor's cache has it; eager step if "
      "compiling fails); `model`: every step through the model's forward"),
     ("`--chat-template`", "the model's",
      "`plain` or a Jinja file for models without one (GPT-2 gets `plain` automatically)"),

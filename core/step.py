@@ -248,7 +248,7 @@ class CompiledStep(DecodeStep):
     (``KVLayer.appended``: positions, statistics, the archive) and the observer gets the queries and probabilities,
     as in the eager step.
 
-    The first step compiles (about a minute for the default model on this project's machine; inductor's cache makes
+    The first step compiles (one to two minutes for the default model on this project's machine; inductor's cache makes
     a later process's compile a few seconds); a capacity the graph has not seen compiles once more (with dynamic
     shapes from the second). Steps the graph does not serve run the eager step: a layer whose heads have different
     capacities (``headaware``'s per-head budgets), a cache with no room for the token (it resizes or compresses
@@ -321,7 +321,7 @@ class CompiledStep(DecodeStep):
         params, final = self.params
         if self.compiled is None:
             self.compiled = torch.compile(_graph, fullgraph=True, options=OPTIONS)
-            log.warning("compiling the decode step (once per model and cache shape; about a minute the first time "
+            log.warning("compiling the decode step (once per model and cache shape; a minute or two the first time "
                         "on a small CPU, seconds once inductor's cache has it)")
             t = time.perf_counter()
             out = self.compiled(x, cos, sin, lens, keys, values, params, final, self.shape)
