@@ -35,6 +35,12 @@ def _prefilled(models_, seed: int = 1, **settings) -> list[Session]:
     return sessions
 
 
+def _fed(sessions: list[Session], token: int, message: int | None = None) -> list[torch.Tensor]:
+    """Each session's logits after it reads ``token`` within message ``message`` (default: its last)."""
+    return [s._feed([([token], len(s.messages) - 1 if message is None else message)], continue_message=True)[0]
+            for s in sessions]
+
+
 @pytest.mark.parametrize("held", ["model", "half"])
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_step_gives_the_models_logits_and_cache(arch, held, tokenizer):
@@ -42,7 +48,7 @@ def test_step_gives_the_models_logits_and_cache(arch, held, tokenizer):
     idx = len(sessions[0].messages) - 1
     token = int(sessions[0].last_logits.argmax())
     for _ in range(20):  # past the budget: compressions, h2o's statistics, re-rotated keys
-        logits = [s._feed([([token], idx)], continue_message=True)[0] for s in sessions]
+        logits = _fed(sessions, token, idx)
         if held == "model":  # the same operations in the same order: bit for bit
             assert torch.equal(logits[0], logits[1])
         else:  # one fp16 product for q/k/v (gate/up) instead of three (two): the kernels may sum in another order
@@ -69,7 +75,7 @@ def test_step_in_bf16_is_the_models(tokenizer):
         s.feed_raw(prompt, score=False)
     token = 5
     for _ in range(12):
-        logits = [s._feed([([token], len(s.messages) - 1)], continue_message=True)[0] for s in sessions]
+        logits = _fed(sessions, token)
         assert logits[0].dtype == torch.bfloat16 and torch.equal(logits[0], logits[1])
         token = int(logits[1].argmax())
 
@@ -94,7 +100,7 @@ def test_heads_of_different_lengths(tokenizer):
     idx = len(sessions[0].messages) - 1
     token = 5
     for _ in range(5):
-        logits = [s._feed([([token], idx)], continue_message=True)[0] for s in sessions]
+        logits = _fed(sessions, token, idx)
         torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
         token = int(logits[1].argmax())
     assert sessions[0].cache.layers[1].lens == [28, 35]
@@ -166,7 +172,7 @@ def test_compiled_step_gives_the_eager_steps_logits_and_cache(arch, tokenizer):
     idx = len(sessions[0].messages) - 1
     token = int(sessions[0].last_logits.argmax())
     for _ in range(24):
-        logits = [s._feed([([token], idx)], continue_message=True)[0] for s in sessions]
+        logits = _fed(sessions, token, idx)
         torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
         assert int(logits[1].argmax()) == int(logits[0].argmax())
         token = int(logits[0].argmax())
@@ -196,7 +202,7 @@ def test_compiled_step_with_heads_of_different_lengths(tokenizer):
     idx = len(sessions[0].messages) - 1
     token = 5
     for _ in range(5):
-        logits = [s._feed([([token], idx)], continue_message=True)[0] for s in sessions]
+        logits = _fed(sessions, token, idx)
         torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
         token = int(logits[0].argmax())
     assert compiled.step.calls == 5
@@ -220,7 +226,7 @@ def test_compiled_step_through_budget_changes(tokenizer):
         for s in sessions:
             s.configure(budget=budget)
         for _ in range(12):
-            logits = [s._feed([([token], idx)], continue_message=True)[0] for s in sessions]
+            logits = _fed(sessions, token, idx)
             # 1e-2: where one fp16 product's rounding flips, every logit moves by up to 2^-7 (as in the tests below)
             torch.testing.assert_close(logits[1], logits[0], atol=1e-2, rtol=0)
             assert int(logits[1].argmax()) == int(logits[0].argmax())
@@ -265,7 +271,7 @@ def test_compiled_step_never_reads_uninitialised_slots(tokenizer, monkeypatch):
     for s in sessions:
         s.feed_raw(prompt, score=False)
     for token in range(5, 17):
-        logits = [s._feed([([token], 0)], continue_message=True)[0] for s in sessions]
+        logits = _fed(sessions, token, 0)
         assert torch.isfinite(logits[1]).all()
         # a looser bound than above: here one fp16 product's rounding went the other way (2^-8 in a logit)
         torch.testing.assert_close(logits[1], logits[0], atol=1e-2, rtol=1e-2)
@@ -286,7 +292,7 @@ def test_compiled_step_falls_back_when_compiling_fails(tokenizer, monkeypatch, c
     for s in sessions:
         s.feed_raw(list(range(20, 50)), score=False)
     for token in (7, 8, 9):
-        logits = [s._feed([([token], 0)], continue_message=True)[0] for s in sessions]
+        logits = _fed(sessions, token, 0)
         assert torch.equal(logits[0], logits[1])
     assert compiled.step.failed.startswith("RuntimeError: InductorError") and compiled.step.calls == 0
     assert [r.message for r in caplog.records].count(
@@ -308,7 +314,7 @@ def test_compiled_step_leaves_a_growing_cache_to_the_eager_step(tokenizer):
     for s in sessions:
         s.feed_raw(list(range(20, 50)), score=False)
     for token in (7, 8, 9, 10):
-        logits = [s._feed([([token], 0)], continue_message=True)[0] for s in sessions]
+        logits = _fed(sessions, token, 0)
         assert torch.equal(logits[0], logits[1])
     assert compiled.step.calls == 0 and compiled.step.eager_calls == 4
 
@@ -352,7 +358,7 @@ def test_compiled_step_archives_what_the_eager_step_archives(tokenizer, tmp_path
     for s in sessions:
         s.feed_raw(list(range(40, 70)), score=False)
     for token in range(5, 25):  # through compressions
-        logits = [s._feed([([token], 0)], continue_message=True)[0] for s in sessions]
+        logits = _fed(sessions, token, 0)
         torch.testing.assert_close(logits[1], logits[0], atol=1e-2, rtol=1e-2)  # as in the NaN test: fp16 rounding
     a, b = (s.archive for s in sessions)
     assert a.n == b.n == 50 and models_[1].step.calls >= 15
