@@ -1,22 +1,23 @@
 """Speed: decode ms/token and prefill ms per turn against the length of the conversation, for every policy.
 
 The history (PG19 stand-in text, fed with ``feed_raw(score=False)``) is built once under ``streaming`` at
-``--budget``; at each length in ``--lengths`` every bounded policy is switched in live (kvchat's own settings
-switch: the cache keeps its size, the policy takes over from there) and answers a user turn of ``--prompt``
-tokens with ``--steps`` decoded tokens (stop tokens disabled); the turn is then undone so every policy sees the same
-history. The full cache gets its own session (up to the model's max positions). Timers around the compression and
-the attention observer give the policy bookkeeping as a share of the decode time. The StreamingLLM paper's
-baseline, sliding window with recomputation, re-encodes the last ``--budget`` tokens from scratch for each
-generated token. The roofline ratio compares a measured decode step with (bytes of the weights a step reads + kept
-KV bytes) / the memory bandwidth, which the bench measures itself (a large tensor copy, at the start and the end;
-the larger counts). A bare transformers loop (DynamicCache, SDPA, greedy: what ``generate`` does per token, without
-its processors; ``Reference``) holding as many positions as the bounded caches runs beside every policy: blocks of
-its steps are timed between blocks of the policy's, so both see the same machine (this one's speed drifts by tens
-of percent within minutes); ``speedup`` is its median step over the policy's. The same loop at each history, where
-it fits the model's positions, runs twice on the same model object: with kvchat's weights, and with the fp16
-copies of ``--weights half`` switched off (the weights as transformers loads them, ``weights.as_loaded``). TTFT
-(prefill of the user message until the first token's logits) is measured for messages of ``--ttft-prompts`` tokens
-at turns ``--ttft-turns`` of a chat of FastChat exchanges.
+``--budget``; at each length in ``--lengths`` every bounded policy is switched in live (kvchat's own settings switch:
+the cache keeps its size, the policy takes over from there) and answers a user turn of ``--prompt`` tokens with
+``--steps`` decoded tokens (stop tokens disabled); the turn is then undone so every policy sees the same history. The
+full cache gets its own session (up to the model's max positions). Timers around the compression and the attention
+observer give the policy bookkeeping as a share of the decode time. The StreamingLLM paper's baseline, sliding window
+with recomputation, re-encodes the last ``--budget`` tokens from scratch for each generated token. The roofline ratio
+compares a measured decode step with (bytes of the weights a step reads + kept KV bytes) / the memory bandwidth,
+which the bench measures itself with a large tensor copy at the start and the end (the larger counts); beside each
+policy's steps too (a copy after every block of the transformers loop's steps, the median of those: this machine's
+copies vary by tens of percent within minutes), for a second ratio. A bare transformers loop (DynamicCache, SDPA,
+greedy: what ``generate`` does per token, without its processors; ``Reference``) holding as many positions as the
+bounded caches runs beside every policy: blocks of its steps are timed between blocks of the policy's, so both see
+the same machine (this one's speed drifts by tens of percent within minutes); ``speedup`` is its median step over the
+policy's. The same loop at each history, where it fits the model's positions, runs twice on the same model object:
+with kvchat's weights, and with the fp16 copies of ``--weights half`` switched off (the weights as transformers loads
+them, ``weights.as_loaded``). TTFT (prefill of the user message until the first token's logits) is measured for
+messages of ``--ttft-prompts`` tokens at turns ``--ttft-turns`` of a chat of FastChat exchanges.
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ def timed_turn(session: Session, prompt: str, steps: int, reference: Reference |
     ``reference``, ``block`` of its steps are timed after every ``block`` decoded tokens (``reference_ms``, the
     median, and ``speedup``, reference / kvchat)."""
     beside: list[float] = []
+    copies: list[float] = []  # the memory bandwidth, measured beside the steps (``bandwidth_gbs``)
     block = min(block, steps)
     book: list[float] = []  # compressions and attention bookkeeping, from the first decoded token on
     feeds: list[float] = []  # every forward of the turn with the compressions before it: the prompt's prefill
@@ -168,6 +170,7 @@ def timed_turn(session: Session, prompt: str, steps: int, reference: Reference |
                     prefill_forwards = len(feeds)
                 if reference is not None and len(feeds) - prefill_forwards >= mark and len(beside) < steps:
                     beside += reference.steps(block)
+                    copies.append(bandwidth_gbs(repeats=2))
                     mark += block
         res = session.history[-1]
     finally:
@@ -182,7 +185,8 @@ def timed_turn(session: Session, prompt: str, steps: int, reference: Reference |
            "cache_tokens": session.cache_tokens, "kv_bytes": session.cache_now()["kv_bytes"]}
     if beside:
         out.update(reference_ms=1000 * statistics.median(beside), reference_tokens=reference.length,
-                   speedup=statistics.median(beside) / statistics.median(decode))
+                   speedup=statistics.median(beside) / statistics.median(decode),
+                   bandwidth_gbs=statistics.median(copies))
     return out
 
 
@@ -224,15 +228,19 @@ def run(args, run: Run, cm) -> None:
         f"(--weights {cm.weights})")
 
     def roofline(row: dict, gbs: float) -> None:
+        """The row's roofline at the run's bandwidth (``gbs``); ``roofline_ratio_beside``: at the bandwidth measured
+        beside its steps, where it has one."""
         row["roofline_ms"] = 1000 * (weights + row["kv_bytes"]) / (gbs * 1e9)
         row["roofline_ratio"] = row["decode_ms_per_token"] / row["roofline_ms"]
+        if "bandwidth_gbs" in row:
+            row["roofline_ratio_beside"] = row["roofline_ratio"] * row["bandwidth_gbs"] / gbs
 
     def record(policy: str, length: int, m: dict) -> None:
         row = {"policy": policy, "length": length, **m}
         roofline(row, bw)
         rows.append(row)
         beside = (f", transformers beside it {m['reference_ms']:.1f} ms/token at {m['reference_tokens']} positions "
-                  f"(x{m['speedup']:.2f})" if "speedup" in m else "")
+                  f"(x{m['speedup']:.2f}), memory {m['bandwidth_gbs']:.1f} GB/s" if "speedup" in m else "")
         log(f"speed {policy:10s} history {length:6d}: decode {m['decode_ms_per_token']:6.1f} ms/token "
             f"(bookkeeping {100 * m['bookkeeping']:4.1f}%, roofline x{row['roofline_ratio']:.1f}), prefill "
             f"{m['prefill_ms']:7.0f} ms / {m['prompt_tokens']} tokens, cache {m['cache_tokens']}{beside}")
@@ -320,7 +328,7 @@ def run(args, run: Run, cm) -> None:
         log(f"speed: compiled decode: {cm.step.calls} steps in the graph, {cm.step.eager_calls} in the eager step "
             f"(heads of different capacities, the growing cache of `full`)"
             + (f"; compiling failed: {cm.step.failed}" if cm.step.failed else ""))
-    # The copy's bandwidth also drifts: the rooflines use the larger of the measurements at the start and the end.
+    # The copy's bandwidth also drifts: the run's figure is the larger of the measurements at the start and the end.
     end_bw = bandwidth_gbs()
     run.rows["bandwidth_gbs_measured"] = [bw, end_bw]
     if end_bw > bw:
@@ -378,18 +386,23 @@ def markdown(result: dict) -> str:
              f"step), a {cfg['prompt']}-token user turn; `--weights {res.get('weights', 'model')}`; memory bandwidth "
              f"measured {res['bandwidth_gbs']:.1f} GB/s{measured}; a decode step reads "
              f"{res['weight_bytes'] / 2**20:.0f} MiB of weights. Roofline = (weight bytes a step reads + kept KV "
-             "bytes) / bandwidth.",
+             "bytes) / bandwidth; the ratios are the lowest-highest over the histories, the last column's at the "
+             "bandwidth measured beside the policy's steps (copies between blocks of the transformers loop's).",
              "", "| policy | " + " | ".join(f"decode ms/token @ {n}" for n in lengths)
              + " | prefill ms @ " + " | prefill ms @ ".join(map(str, lengths))
-             + " | bookkeeping | roofline ms | measured / roofline |", "| --- " * (2 * len(lengths) + 4) + "|"]
+             + " | bookkeeping | roofline ms | measured / roofline | at the bandwidth beside it |",
+             "| --- " * (2 * len(lengths) + 5) + "|"]
     for p in dict.fromkeys(r["policy"] for r in own):
         cells = {r["length"]: r for r in own if r["policy"] == p}
         last = cells[max(cells)]
         dec = " | ".join(f"{cells[n]['decode_ms_per_token']:.1f}" if n in cells else "–" for n in lengths)
         pre = " | ".join(f"{cells[n]['prefill_ms']:.0f}" if n in cells else "–" for n in lengths)
         book = statistics.mean(r["bookkeeping"] for r in cells.values())
+        ratios = [r["roofline_ratio"] for r in cells.values()]
+        near = [r["roofline_ratio_beside"] for r in cells.values() if "roofline_ratio_beside" in r]
         lines.append(f"| {p} | {dec} | {pre} | {100 * book:.1f}% | {last['roofline_ms']:.1f} | "
-                     f"{last['roofline_ratio']:.1f} |")
+                     f"{min(ratios):.2f}-{max(ratios):.2f} | "
+                     + (f"{min(near):.2f}-{max(near):.2f} |" if near else "– |"))
     if res.get("compile_s") is not None:
         steps = res.get("compiled_steps") or {}
         lines += ["", f"`--decode compiled`: the step's graph compiled in {res['compile_s']:.1f} s (its first step); "
