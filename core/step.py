@@ -203,15 +203,16 @@ class DecodeStep:
 def _graph_product(x: torch.Tensor, copies: bool, pieces: tuple) -> torch.Tensor:
     """``product`` inside the graph: x times the fp16 copies written as a multiply and a sum over the input, which
     inductor compiles into one reduction kernel that reads each weight row once, widening it to fp32 in registers,
-    with the input's cast fused in.
-    On this project's machine the step took 18.5 ms against 20.4 with ``F.linear``'s fp16 GEMM (one process, 14
-    alternating rounds of 22 steps, ``streaming`` at budget 1024 over 1,000 tokens; README, Speed). The loaded
-    layers (``copies`` False) multiply as ``product`` does."""
+    with the input's norm fused in. The input and the sum stay fp32 where ``product``'s fp16 GEMM rounds both to fp16
+    (inductor drops such a round trip within a kernel even when written out): the eager step's numbers within that
+    rounding (tests/test_step.py). On this project's machine the step took 18.5, 19.1 and 15.8 ms against
+    20.4, 22.0 and 16.5 with the fp16 GEMM (three ad-hoc runs, one session each, alternating replies of 22 steps,
+    ``streaming`` at budget 1024 over 1,000 tokens; README, Speed). The loaded layers (``copies`` False) multiply as
+    ``product`` does."""
     if not copies:
         return product(x, copies, pieces)
     weight, bias = pieces[0]
-    # rounded to the weights' dtype as the fp16 GEMM's output is: the eager step's numbers, summed in another order
-    out = (x.to(weight.dtype).float()[..., None, :] * weight.float()).sum(-1).to(weight.dtype).to(x.dtype)
+    out = (x[..., None, :] * weight.to(x.dtype)).sum(-1)
     return out if bias is None else out + bias
 
 
