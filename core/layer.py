@@ -87,10 +87,10 @@ class KVLayer(CacheLayerMixin):
         if self._owner.archive is not None:
             self._owner.archive.stage(self.index, key_states, value_states)
         if self.uniform:
-            n, cap = self.lens[0], self.caps[0]
-            self.abs_pos.view(self.heads, cap)[:, n: n + q] = incoming
+            n = self.lens[0]
+            self._slots(self.abs_pos, n, q).copy_(incoming)
             for t in self.stats.values():
-                t.view(self.heads, cap)[:, n: n + q] = 0
+                self._slots(t, n, q).zero_()
             self.lens = [n + q] * self.heads
             return
         for h in range(self.heads):
@@ -99,6 +99,13 @@ class KVLayer(CacheLayerMixin):
             for t in self.stats.values():
                 t[a: a + q] = 0
             self.lens[h] += q
+
+    def _slots(self, t: torch.Tensor, n: int, q: int) -> torch.Tensor:
+        """Slots ``[n, n + q)`` of every head of a per-slot buffer (``abs_pos``, a statistic) whose heads all hold
+        ``caps[0]`` slots, as [heads, q]: one view (``t.view(heads, cap)[:, n: n + q]`` takes three, and this runs
+        for every layer at every token)."""
+        step = t.stride(0)
+        return t.as_strided((self.heads, q), (self.caps[0] * step, step), t.storage_offset() + n * step)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return max(self.lens, default=0) + query_length, 0

@@ -31,11 +31,13 @@ import contextlib
 import logging
 import threading
 import time
+import types
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .attention import kvchat_attention
 from .layer import RaggedKV
 from .weights import HalfLinear
@@ -48,6 +50,8 @@ SUPPORTED = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2Decoder
 # step), no size checks of the inputs on each call (dynamo's guards check the shapes already). About 1 ms of a 17-18
 # ms step on this project's machine (README, Speed).
 OPTIONS = {"cpp_wrapper": True, "size_asserts": False}
+# The arguments whose guards the graph goes without (``_unguarded``): the weights.
+WEIGHTS = ("params", "final")
 NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})  # the same forward, line for line
 
 
@@ -219,18 +223,19 @@ def _graph_product(x: torch.Tensor, copies: bool, pieces: tuple) -> torch.Tensor
 def _graph(x, cos, sin, lens, keys, values, params, final, shape):
     """Every layer of one token's step, the output layer included: the graph ``torch.compile`` compiles.
 
-    ``keys``/``values``: each layer's buffer as [KV heads, capacity, dim]; the new key and value are written at slot
-    ``lens[layer, head]`` and attention runs over the whole buffer with the slots past that one masked, so the
-    shapes are the same at every step. Unused slots hold finite values (zeros when allocated, else what was
-    evicted), so their zero probabilities keep them out of the output. Returns the logits, the queries, keys,
-    values ([layers, heads, dim]) and each layer's attention probabilities ([KV heads, groups, capacity]) for the
-    bookkeeping after the graph."""
-    nq, nk, d, inner, eps, scaling, act = shape
+    ``keys``/``values``: each layer's buffer ([KV heads * capacity, dim], head after head); the new key and value
+    are written at slot ``lens[layer, head]`` of each head and attention runs over the whole buffer with the slots
+    past that one masked, so the shapes are the same at every step. Unused slots hold finite values (zeros when
+    allocated, else what was evicted), so their zero probabilities keep them out of the output. Returns the logits,
+    the queries ([layers, heads, dim]), keys and values ([layers, 1, KV heads, 1, dim]: one token's, as ``update``
+    takes them) and each layer's attention probabilities ([KV heads, groups, capacity]) for the bookkeeping after
+    the graph."""
+    nq, nk, d, inner, eps, scaling, act, ops = shape
     heads, half = nk // d, d // 2
     hidx = torch.arange(heads)
     qs, ks, vs, ps = [], [], [], []
     for i, (n1, n2, qkv_w, o_w, gu_w, down_w) in enumerate(params):
-        kbuf, vbuf = keys[i], values[i]
+        kbuf, vbuf = keys[i].view(heads, -1, d), values[i].view(heads, -1, d)
         cap = kbuf.shape[1]
         qkv = _graph_product(F.rms_norm(x, (x.shape[-1],), n1, eps), *qkv_w)
         qk = qkv[..., : nq + nk].view(1, -1, 1, d)
@@ -239,10 +244,11 @@ def _graph(x, cos, sin, lens, keys, values, params, final, shape):
         v = qkv[0, 0, nq + nk:].view(heads, d)
         kbuf.index_put_((hidx, lens[i]), k)
         vbuf.index_put_((hidx, lens[i]), v)
-        scores = torch.bmm((q * scaling).view(heads, -1, d), kbuf.transpose(1, 2))
+        qh = (q * scaling).view(heads, -1, d)
+        scores = torch.ops.kvchat.scores(qh, kbuf) if ops else torch.bmm(qh, kbuf.transpose(1, 2))
         later = torch.arange(cap)[None, None, :] > lens[i][:, None, None]
         probs = scores.masked_fill(later, float("-inf")).softmax(-1)
-        out = torch.bmm(probs, vbuf)
+        out = torch.ops.kvchat.values(probs, vbuf) if ops else torch.bmm(probs, vbuf)
         x = x + _graph_product(out.reshape(1, 1, -1), *o_w)
         gu = _graph_product(F.rms_norm(x, (x.shape[-1],), n2, eps), *gu_w)
         x = x + _graph_product(act(gu[..., :inner]) * gu[..., inner:], *down_w)
@@ -252,7 +258,22 @@ def _graph(x, cos, sin, lens, keys, values, params, final, shape):
         ps.append(probs)
     norm_w, head_w = final
     logits = _graph_product(F.rms_norm(x, (x.shape[-1],), norm_w, eps), *head_w)[0]
-    return logits, torch.stack(qs), torch.stack(ks), torch.stack(vs), ps
+    return logits, torch.stack(qs), torch.stack(ks)[:, None, :, None], torch.stack(vs)[:, None, :, None], ps
+
+
+def _unguarded(entries) -> list[bool]:
+    """dynamo's guards a compiled step keeps: all but those on its weights (``WEIGHTS``: the nested tuples of ~190
+    tensors, checked before every call for structure, shapes, strides and dtypes). Those never change for one
+    ``CompiledStep``: it hands the graph the same tuples at every step and has a graph function of its own
+    (``_own_graph``), so no other model's weights meet its compiled graphs. The guards on the cache's buffers (their
+    capacity), the inputs and the globals stay. Dynamo's lookup before each call took 0.83 ms with them and 0.20
+    without on this project's machine (torch.profiler, 50 calls each, the default model at budget 1024)."""
+    return [not (e.name in WEIGHTS or e.name.startswith(tuple(w + "[" for w in WEIGHTS))) for e in entries]
+
+
+def _own_graph():
+    """``_graph`` with a code object of its own: dynamo keeps its compiled graphs and their guards per code object."""
+    return types.FunctionType(_graph.__code__.replace(), _graph.__globals__, _graph.__name__)
 
 
 class CompiledStep(DecodeStep):
@@ -262,7 +283,9 @@ class CompiledStep(DecodeStep):
     past the new token masked, so the graph's shapes stay the same while the cache's capacity does (every bounded
     policy between compressions). After the graph, each cache layer records what ``update`` would have
     (``KVLayer.appended``: positions, statistics, the archive) and the observer gets the queries and probabilities,
-    as in the eager step.
+    as in the eager step. Attention's two products are kvchat's operators (core/kernels.py: they stream the keys and
+    values once, where ``torch.bmm`` reads them at half the rate for this shape), built at the first compile;
+    without them (no ninja), ``torch.bmm``. dynamo's guards leave out the weights (``_unguarded``).
 
     The first step compiles (one to two minutes for the default model on this project's machine; inductor's cache makes
     a later process's compile a few seconds); a capacity the graph has not seen compiles once more (with dynamic
@@ -278,7 +301,9 @@ class CompiledStep(DecodeStep):
         super().__init__(model)
         first = self.layers[0]
         nq, nk, _ = first.split
-        self.shape = (nq, nk, self.head_dim, first.inner, first.norm1.eps, first.attn.scaling, first.act)
+        # The last entry: whether attention uses kvchat's operators (core/kernels.py), known at the first compile.
+        self.shape = (nq, nk, self.head_dim, first.inner, first.norm1.eps, first.attn.scaling, first.act, False)
+        self.no_ops: str | None = None  # why kvchat's attention operators are not in use, once known
         self.compiled = None
         self.compile_s: float | None = None  # seconds the first step took to compile
         self.failed: str | None = None
@@ -336,7 +361,12 @@ class CompiledStep(DecodeStep):
     def _run(self, x, cos, sin, lens, keys, values):
         params, final = self.params
         if self.compiled is None:
-            self.compiled = torch.compile(_graph, fullgraph=True, options=OPTIONS)
+            self.no_ops = kernels.load()
+            self.shape = self.shape[:-1] + (self.no_ops is None,)
+            options = dict(OPTIONS)
+            if hasattr(torch.compiler, "keep_tensor_guards_unsafe"):  # torch 2.8 on: guard filters
+                options["guard_filter_fn"] = _unguarded
+            self.compiled = torch.compile(_own_graph(), fullgraph=True, options=options)
             log.warning("compiling the decode step (once per model and cache shape; a minute or two the first time "
                         "on a small CPU, seconds once inductor's cache has it)")
             t = time.perf_counter()
@@ -352,8 +382,7 @@ class CompiledStep(DecodeStep):
         x, cos, sin = self._embed(token, position)
         layers = cache.layers
         lens = torch.tensor([layer.lens for layer in layers])
-        keys = [layer.keys.view(layer.heads, layer.caps[0], -1) for layer in layers]
-        values = [layer.values.view(layer.heads, layer.caps[0], -1) for layer in layers]
+        keys, values = [layer.keys for layer in layers], [layer.values for layer in layers]
         try:
             with self._lock:  # sessions of one model in several threads (the web UI): one compile, one step at a time
                 out = self._run(x, cos, sin, lens, keys, values)
@@ -365,18 +394,20 @@ class CompiledStep(DecodeStep):
             return super().__call__(token, position, cache, observer)
         self.calls += 1
         logits, qs, ks, vs, probs = out
+        ks, vs = ks.unbind(0), vs.unbind(0)  # each layer's [1, KV heads, 1, dim]
         if observer is None:
             for layer, k, v in zip(layers, ks, vs):
-                layer.appended(k[None, :, None], v[None, :, None])
+                layer.appended(k, v)
             return logits
         for i, (lay, layer) in enumerate(zip(self.layers, layers)):
             lens_i = list(layer.lens)
-            layer.appended(ks[i][None, :, None], vs[i][None, :, None])
+            layer.appended(ks[i], vs[i])
+            kbuf = layer.keys.view(layer.heads, layer.caps[0], -1)
             if layer.uniform:
                 n = lens_i[0] + 1
-                key, p = keys[i][None, :, :n], [probs[i][..., :n]]
+                key, p = kbuf[None, :, :n], [probs[i][..., :n]]
             else:
-                key = RaggedKV([keys[i][h, : n + 1][None, None] for h, n in enumerate(lens_i)])
+                key = RaggedKV([kbuf[h, : n + 1][None, None] for h, n in enumerate(lens_i)])
                 p = [probs[i][h: h + 1, :, : n + 1] for h, n in enumerate(lens_i)]
             observer(lay.attn, qs[i][None, :, None], key, lay.attn.scaling, probs=p)
         return logits

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from kvchat.core import models, weights
+from kvchat.core import kernels, models, weights
 from kvchat.core.models import ChatModel
 from kvchat.core.session import Sampling, Session
 from kvchat.core.settings import Settings
@@ -170,6 +170,42 @@ COMPILED = {"atol": 3e-2, "rtol": 0}
 COMPILED_KV = {"atol": 1e-2, "rtol": 0}  # keys, values, H2O's sums (~1e-3 apart here): the same differences, smaller
 
 
+@pytest.mark.parametrize("heads,groups,slots,dim", [(3, 3, 1088, 64), (2, 1, 5, 32), (1, 4, 129, 48)])
+def test_attention_operators_compute_what_torch_bmm_does(heads, groups, slots, dim):
+    """core/kernels.py: the compiled step's scores and weighted values, whole blocks and a partial last one."""
+    assert kernels.load() is None  # built here (CI installs ninja and a C++ compiler)
+    torch.manual_seed(slots)
+    q, k, v = torch.randn(heads, groups, dim), torch.randn(heads, slots, dim), torch.randn(heads, slots, dim)
+    scores = torch.ops.kvchat.scores(q, k)
+    torch.testing.assert_close(scores, torch.bmm(q, k.transpose(1, 2)), atol=1e-5, rtol=1e-5)
+    p = scores.softmax(-1)
+    torch.testing.assert_close(torch.ops.kvchat.values(p, v), torch.bmm(p, v), atol=1e-6, rtol=1e-5)
+    # non-contiguous inputs are read as what they hold
+    torch.testing.assert_close(torch.ops.kvchat.values(p, v.transpose(1, 2).contiguous().transpose(1, 2)),
+                               torch.bmm(p, v), atol=1e-6, rtol=1e-5)
+
+
+def test_attention_operators_refuse_bad_input():
+    kernels.load()
+    with pytest.raises(RuntimeError, match="kvchat::scores: float32 tensors"):
+        torch.ops.kvchat.scores(torch.zeros(1, 1, 4, dtype=torch.float64), torch.zeros(1, 3, 4, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="kvchat::values: one weight per slot"):
+        torch.ops.kvchat.values(torch.zeros(1, 1, 4), torch.zeros(1, 3, 4))
+
+
+def test_compiled_step_without_the_attention_operators(tokenizer, monkeypatch):
+    """Where they cannot be built (no ninja), the graph's attention is torch.bmm, with the same logits."""
+    monkeypatch.setattr(kernels, "load", lambda: "RuntimeError: Ninja is required to load C++ extensions")
+    sessions = _prefilled(_eager_and_compiled("llama", tokenizer), seed=5, policy="streaming", budget=40, slack=4)
+    token = 5
+    for _ in range(8):
+        logits = _fed(sessions, token, 0)
+        torch.testing.assert_close(logits[1], logits[0], **COMPILED)
+        token = int(logits[0].argmax())
+    step = sessions[1].model.step
+    assert step.no_ops.startswith("RuntimeError: Ninja") and step.calls >= 6 and step.failed is None
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_compiled_step_is_as_close_to_the_fp32_model_as_the_eager_step(arch, tokenizer):
     """What the looser tolerance stands on: over 24 steps through compressions, the compiled step's logits stay about
@@ -205,6 +241,7 @@ def test_compiled_step_gives_the_eager_steps_logits_and_cache(arch, tokenizer):
         token = int(logits[0].argmax())
     step = compiled.step
     assert step.failed is None and step.calls >= 20  # the graph ran (steps right after a full cache run eagerly)
+    assert step.no_ops is None  # with kvchat's attention operators
     for a, b in zip(*(s.cache.layers for s in sessions)):
         assert a.lens == b.lens and torch.equal(a.abs_pos, b.abs_pos)
         n = a.lens[0]
