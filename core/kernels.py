@@ -22,7 +22,10 @@ uses ``torch.bmm``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import shutil
 import threading
 
 import torch
@@ -163,6 +166,8 @@ def load() -> str | None:
         try:
             from torch.utils.cpp_extension import load_inline
 
+            _find_ninja()
+
             # -march=native: one build per CPU kind (torch's extension cache is keyed by the name, not the CPU)
             name = f"kvchat_decode_attention_{torch.backends.cpu.get_cpu_capability().lower()}"
             load_inline(name, cpp_sources=[SOURCE], is_python_module=False,
@@ -174,6 +179,16 @@ def load() -> str | None:
             log.warning("kvchat's attention operators could not be built (%s); the compiled step uses torch.bmm", why)
         _state["why"] = why
         return why
+
+
+def _find_ninja() -> None:
+    """torch runs ``ninja`` from PATH; the ``ninja`` package (a kvchat dependency) installs it beside the venv's
+    Python, which is not on PATH when that Python is run by its path (``.venv/bin/python -m pytest``)."""
+    if shutil.which("ninja") is None:
+        with contextlib.suppress(ImportError):
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
 def _register_fakes() -> None:
