@@ -14,10 +14,10 @@ four slots at a time:
   blocks' sums.
 
 Both are plain float32 arithmetic in another summation order than the GEMM's (tests/test_step.py compares them with
-``torch.bmm``). They are built once per machine with ``torch.utils.cpp_extension`` (ninja and a C++ compiler, which
-the compiled step needs anyway; ``-march=native``) into torch's extension cache, and registered as torch operators
-so that ``torch.compile`` calls them inside its graph. ``load()`` says why they cannot be had; the compiled step then
-uses ``torch.bmm``.
+``torch.bmm``). They are built once per machine with ``torch.utils.cpp_extension`` (the C++ compiler the compiled
+step needs anyway, and ninja, a kvchat dependency; ``-march=native``) into torch's extension cache, and registered as
+torch operators so that ``torch.compile`` calls them inside its graph. ``load()`` says why they cannot be had; the
+compiled step then uses ``torch.bmm``.
 """
 
 from __future__ import annotations

@@ -220,7 +220,7 @@ def _graph_product(x: torch.Tensor, copies: bool, pieces: tuple) -> torch.Tensor
     return out if bias is None else out + bias
 
 
-def _graph(x, cos, sin, lens, keys, values, params, final, shape):
+def _graph(x, cos, sin, lens, keys, values, params, final, shape, ops):
     """Every layer of one token's step, the output layer included: the graph ``torch.compile`` compiles.
 
     ``keys``/``values``: each layer's buffer ([KV heads * capacity, dim], head after head); the new key and value
@@ -229,8 +229,8 @@ def _graph(x, cos, sin, lens, keys, values, params, final, shape):
     allocated, else what was evicted), so their zero probabilities keep them out of the output. Returns the logits,
     the queries ([layers, heads, dim]), keys and values ([layers, 1, KV heads, 1, dim]: one token's, as ``update``
     takes them) and each layer's attention probabilities ([KV heads, groups, capacity]) for the bookkeeping after
-    the graph."""
-    nq, nk, d, inner, eps, scaling, act, ops = shape
+    the graph. ``ops``: attention's products as kvchat's operators (core/kernels.py), else ``torch.bmm``."""
+    nq, nk, d, inner, eps, scaling, act = shape
     heads, half = nk // d, d // 2
     hidx = torch.arange(heads)
     qs, ks, vs, ps = [], [], [], []
@@ -301,9 +301,9 @@ class CompiledStep(DecodeStep):
         super().__init__(model)
         first = self.layers[0]
         nq, nk, _ = first.split
-        # The last entry: whether attention uses kvchat's operators (core/kernels.py), known at the first compile.
-        self.shape = (nq, nk, self.head_dim, first.inner, first.norm1.eps, first.attn.scaling, first.act, False)
-        self.no_ops: str | None = None  # why kvchat's attention operators are not in use, once known
+        self.shape = (nq, nk, self.head_dim, first.inner, first.norm1.eps, first.attn.scaling, first.act)
+        # Why kvchat's attention operators (core/kernels.py) are not in use; known from the first compile on.
+        self.no_ops: str | None = None
         self.compiled = None
         self.compile_s: float | None = None  # seconds the first step took to compile
         self.failed: str | None = None
@@ -362,7 +362,6 @@ class CompiledStep(DecodeStep):
         params, final = self.params
         if self.compiled is None:
             self.no_ops = kernels.load()
-            self.shape = self.shape[:-1] + (self.no_ops is None,)
             options = dict(OPTIONS)
             if hasattr(torch.compiler, "keep_tensor_guards_unsafe"):  # torch 2.8 on: guard filters
                 options["guard_filter_fn"] = _unguarded
@@ -370,10 +369,10 @@ class CompiledStep(DecodeStep):
             log.warning("compiling the decode step (once per model and cache shape; a minute or two the first time "
                         "on a small CPU, seconds once inductor's cache has it)")
             t = time.perf_counter()
-            out = self.compiled(x, cos, sin, lens, keys, values, params, final, self.shape)
+            out = self.compiled(x, cos, sin, lens, keys, values, params, final, self.shape, self.no_ops is None)
             self.compile_s = time.perf_counter() - t
             return out
-        return self.compiled(x, cos, sin, lens, keys, values, params, final, self.shape)
+        return self.compiled(x, cos, sin, lens, keys, values, params, final, self.shape, self.no_ops is None)
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, cache, observer=None) -> torch.Tensor:
         if not self.serves(cache):
