@@ -1,23 +1,32 @@
-"""Attention products of one decode token as two small C++ operators, for the compiled decode step (core/step.py).
+"""The compiled decode step's products (core/step.py) as three small C++ operators: attention's two and the
+products with the fp16 weights.
 
-A decode step's attention multiplies a few queries per KV head (GQA's groups: 3 for the default model) with a
-buffer of ~1,000 keys and values per head. As a batched GEMM (``torch.bmm``) that shape reads the cache at half this
-machine's memory bandwidth or less. For 30 layers of 1,088 slots (buffers of 90 layers cycled, so that they come
-from memory as in a step, not from the L3 cache), ad hoc, medians of five rounds: the scores took 1.85 ms with
-``torch.bmm`` and 1.31 with these loops, the weighted values 2.14 and 1.08, a plain sum over the same keys 1.08
-(README, Speed). Each operator streams its buffer once, in blocks of ``BLOCK`` slots shared out over ATen's threads,
-four slots at a time:
+A decode step multiplies one token's vector with every weight matrix and a few queries per KV head (GQA's groups: 3
+for the default model) with ~1,000 cached keys and values per head. Both are reads of memory with little arithmetic,
+and the library kernels for these shapes read at well under this machine's memory bandwidth. Ad hoc, with buffers
+cycled so that they come from memory as in a step (README, Speed): attention over 30 layers of 1,088 slots took 1.85
+ms (scores) and 2.14 ms (values) as ``torch.bmm``; 1.19 and 1.21 with the last version's plain loops, 1.10 and 1.16
+with the current ones (medians of 15 rounds in one run). The default model's weights as the step reads them (30
+layers' seven projections and the output layer, 276 MB of fp16), medians of 12 rounds in one run: ``matvec`` 10.2 ms
+(27.1 GB/s), inductor's reduction kernel for ``(x * w.float()).sum(-1)`` 13.6 (20.3), an fp16 ``F.linear`` 11.5
+(23.9), a plain sum of the same bytes 9.5 (29.0). The operators:
 
 * ``kvchat::scores(q [H, G, D], k [H, C, D]) -> [H, G, C]``: ``q @ k.transpose(1, 2)``, one dot product per query
   and slot;
 * ``kvchat::values(p [H, G, C], v [H, C, D]) -> [H, G, D]``: ``p @ v``, each block's weighted rows summed, then the
-  blocks' sums.
+  blocks' sums;
+* ``kvchat::matvec(x [..., K] fp32, w [N, K] fp16) -> [..., N] fp32``: ``x @ w.T`` with ``w`` widened to fp32 in
+  registers, fp32 sums; the rows of ``w`` shared out over ATen's threads, each read once.
 
-Both are plain float32 arithmetic in another summation order than the GEMM's (tests/test_step.py compares them with
-``torch.bmm``). They are built once per machine with ``torch.utils.cpp_extension`` (the C++ compiler the compiled
-step needs anyway, and ninja, a kvchat dependency; ``-march=native``) into torch's extension cache, and registered as
-torch operators so that ``torch.compile`` calls them inside its graph. ``load()`` says why they cannot be had; the
-compiled step then uses ``torch.bmm``.
+Attention streams its buffers in blocks of ``BLOCK`` slots shared out over ATen's threads. With AVX, FMA and F16C
+(x86-64 since about 2013) the three are written with their intrinsics (for attention, head sizes that are multiples
+of 8; a key of up to 64 values stays in registers while every query meets it); elsewhere as plain loops the compiler
+vectorizes. All three are float32 arithmetic in another summation order than the library's (tests/test_step.py
+compares them with ``torch.bmm`` and a widened product). They are built once per machine with
+``torch.utils.cpp_extension`` (g++, the compiler the compiled step needs anyway; ninja, a kvchat dependency;
+``-march=native``) into torch's extension cache, and registered as torch operators so that ``torch.compile`` calls
+them inside its graph. ``load()`` says why they cannot be had; the compiled step then uses ``torch.bmm`` and
+inductor's own products.
 """
 
 from __future__ import annotations
@@ -39,6 +48,11 @@ SOURCE = r"""
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <cstdint>
+#if defined(__AVX__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVCHAT_F16C 1
+#endif
 
 namespace {
 
@@ -49,6 +63,67 @@ void check(const at::Tensor& a, const at::Tensor& b, const char* what) {
   TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat, what, ": float32 tensors");
   TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), what, ": CPU tensors");
 }
+
+#ifdef KVCHAT_F16C
+inline float hsum(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_hadd_ps(h, h);
+  h = _mm_hadd_ps(h, h);
+  return _mm_cvtss_f32(h);
+}
+
+// Slots [c0, c1) of one head's scores, D a multiple of 8: one slot at a time, its key read once from memory and
+// from the L1 cache for each further query, two sums of eight lanes in flight.
+inline void scores_avx(const float* q, const float* k, float* out, int64_t G, int64_t C, int64_t D, int64_t c0,
+                       int64_t c1) {
+  for (int64_t c = c0; c < c1; ++c) {
+    const float* kr = k + c * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qr = q + g * D;
+      __m256 a = _mm256_setzero_ps(), b = a;
+      int64_t d = 0;
+      for (; d + 16 <= D; d += 16) {
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kr + d), a);
+        b = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d + 8), _mm256_loadu_ps(kr + d + 8), b);
+      }
+      if (d < D) a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kr + d), a);
+      out[g * C + c] = hsum(_mm256_add_ps(a, b));
+    }
+  }
+}
+
+// The same for D = 8 * NV <= 64: each key held in NV registers while every query meets it.
+template <int NV>
+inline void scores_reg(const float* q, const float* k, float* out, int64_t G, int64_t C, int64_t c0, int64_t c1) {
+  constexpr int64_t D = 8 * NV;
+  for (int64_t c = c0; c < c1; ++c) {
+    __m256 kv[NV];
+    for (int j = 0; j < NV; ++j) kv[j] = _mm256_loadu_ps(k + c * D + 8 * j);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qr = q + g * D;
+      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qr), kv[0]), b = _mm256_setzero_ps();
+      for (int j = 1; j < NV; ++j) {
+        if (j %% 2) b = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * j), kv[j], b);
+        else a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * j), kv[j], a);
+      }
+      out[g * C + c] = hsum(_mm256_add_ps(a, b));
+    }
+  }
+}
+
+// Columns [d0, d0 + 8 * NV) of one query's weighted sum over slots [c0, c1), the sums held in NV registers.
+template <int NV>
+inline void values_avx(const float* w, const float* v, float* out, int64_t D, int64_t d0, int64_t c0, int64_t c1) {
+  __m256 a[NV];
+  for (int j = 0; j < NV; ++j) a[j] = _mm256_setzero_ps();
+  for (int64_t c = c0; c < c1; ++c) {
+    const __m256 wc = _mm256_set1_ps(w[c]);
+    const float* vr = v + c * D + d0;
+    for (int j = 0; j < NV; ++j) a[j] = _mm256_fmadd_ps(wc, _mm256_loadu_ps(vr + 8 * j), a[j]);
+  }
+  for (int j = 0; j < NV; ++j) _mm256_storeu_ps(out + d0 + 8 * j, a[j]);
+}
+#endif
 
 at::Tensor scores(const at::Tensor& q_in, const at::Tensor& k_in) {
   check(q_in, k_in, "kvchat::scores");
@@ -62,6 +137,19 @@ at::Tensor scores(const at::Tensor& q_in, const at::Tensor& k_in) {
   at::parallel_for(0, H * nb, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t h = i / nb, c0 = (i %% nb) * BLOCK, c1 = std::min(C, c0 + BLOCK);
+#ifdef KVCHAT_F16C
+      if (D %% 8 == 0) {
+        const float *qh = qp + h * G * D, *kh = kp + h * C * D;
+        float* oh = op + h * G * C;
+        switch (D / 8) {
+          case 4: scores_reg<4>(qh, kh, oh, G, C, c0, c1); break;
+          case 6: scores_reg<6>(qh, kh, oh, G, C, c0, c1); break;
+          case 8: scores_reg<8>(qh, kh, oh, G, C, c0, c1); break;
+          default: scores_avx(qh, kh, oh, G, C, D, c0, c1);
+        }
+        continue;
+      }
+#endif
       int64_t c = c0;
       // Four slots at a time: four independent sums in flight instead of one chain of adds per dot product.
       for (; c + 4 <= c1; c += 4) {
@@ -104,7 +192,13 @@ at::Tensor values(const at::Tensor& p_in, const at::Tensor& v_in) {
   TORCH_CHECK(p_in.size(2) == v_in.size(1), "kvchat::values: one weight per slot");
   const at::Tensor p = p_in.contiguous(), v = v_in.contiguous();
   const int64_t H = v.size(0), C = v.size(1), D = v.size(2), G = p.size(1), nb = (C + BLOCK - 1) / BLOCK;
-  at::Tensor partial = at::zeros({H, nb, G, D}, v.options());
+#ifdef KVCHAT_F16C
+  const bool avx = D %% 8 == 0;
+#else
+  const bool avx = false;
+#endif
+  // The vector path writes every block's sums; the other adds into them.
+  at::Tensor partial = avx ? at::empty({H, nb, G, D}, v.options()) : at::zeros({H, nb, G, D}, v.options());
   const float* pp = p.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   float* op = partial.data_ptr<float>();
@@ -112,6 +206,23 @@ at::Tensor values(const at::Tensor& p_in, const at::Tensor& v_in) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t h = i / nb, b = i %% nb, c0 = b * BLOCK, c1 = std::min(C, c0 + BLOCK);
       float* acc = op + (h * nb + b) * G * D;
+#ifdef KVCHAT_F16C
+      if (avx) {
+        // Each query's sums in registers, 64 columns at a time; the block's values come from the L1/L2 cache
+        // after the first query.
+        for (int64_t g = 0; g < G; ++g) {
+          const float* w = pp + (h * G + g) * C;
+          const float* vh = vp + h * C * D;
+          float* o = acc + g * D;
+          int64_t d0 = 0;
+          for (; d0 + 64 <= D; d0 += 64) values_avx<8>(w, vh, o, D, d0, c0, c1);
+          if (d0 + 32 <= D) { values_avx<4>(w, vh, o, D, d0, c0, c1); d0 += 32; }
+          if (d0 + 16 <= D) { values_avx<2>(w, vh, o, D, d0, c0, c1); d0 += 16; }
+          if (d0 + 8 <= D) values_avx<1>(w, vh, o, D, d0, c0, c1);
+        }
+        continue;
+      }
+#endif
       int64_t c = c0;
       // Four slots at a time: each query's sums loaded and stored once per four rows of values.
       for (; c + 4 <= c1; c += 4) {
@@ -139,16 +250,62 @@ at::Tensor values(const at::Tensor& p_in, const at::Tensor& v_in) {
   return partial.sum(1);
 }
 
+// One fp32 row times one fp16 row, the fp16 values widened in registers.
+inline float dot(const float* x, const at::Half* w, int64_t K) {
+  int64_t k = 0;
+  float acc = 0.f;
+#ifdef KVCHAT_F16C
+  // Four sums of eight lanes in flight, one row read straight through (more rows at a time read slower here).
+  const auto* wh = reinterpret_cast<const __m128i*>(w);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (; k + 32 <= K; k += 32, wh += 4) {
+    a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(wh)), _mm256_loadu_ps(x + k), a0);
+    a1 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(wh + 1)), _mm256_loadu_ps(x + k + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(wh + 2)), _mm256_loadu_ps(x + k + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(wh + 3)), _mm256_loadu_ps(x + k + 24), a3);
+  }
+  for (; k + 8 <= K; k += 8, ++wh)
+    a0 = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128(wh)), _mm256_loadu_ps(x + k), a0);
+  acc = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#endif
+  for (; k < K; ++k) acc += x[k] * static_cast<float>(w[k]);
+  return acc;
+}
+
+at::Tensor matvec(const at::Tensor& x_in, const at::Tensor& w_in) {
+  TORCH_CHECK(w_in.dim() == 2 && x_in.dim() >= 1 && x_in.size(-1) == w_in.size(1),
+              "kvchat::matvec: x [..., K] and w [N, K]");
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && w_in.scalar_type() == at::kHalf,
+              "kvchat::matvec: float32 x, float16 w");
+  TORCH_CHECK(x_in.device().is_cpu() && w_in.device().is_cpu(), "kvchat::matvec: CPU tensors");
+  const at::Tensor x = x_in.contiguous(), w = w_in.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), M = K ? x.numel() / K : 0;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty(shape, x.options());
+  const float* xp = x.data_ptr<float>();
+  const at::Half* wp = w.data_ptr<at::Half>();
+  float* op = out.data_ptr<float>();
+  // Rows of w shared out over ATen's threads; each row read once, for every row of x.
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m = 0; m < M; ++m) op[m * N + n] = dot(xp + m * K, wp + n * K, K);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvchat, m) {
   m.def("scores(Tensor q, Tensor k) -> Tensor");
   m.def("values(Tensor p, Tensor v) -> Tensor");
+  m.def("matvec(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvchat, CPU, m) {
   m.impl("scores", &scores);
   m.impl("values", &values);
+  m.impl("matvec", &matvec);
 }
 """ % {"block": BLOCK}
 
@@ -169,14 +326,15 @@ def load() -> str | None:
             _find_ninja()
 
             # -march=native: one build per CPU kind (torch's extension cache is keyed by the name, not the CPU)
-            name = f"kvchat_decode_attention_{torch.backends.cpu.get_cpu_capability().lower()}"
+            name = f"kvchat_decode_ops_{torch.backends.cpu.get_cpu_capability().lower()}"
             load_inline(name, cpp_sources=[SOURCE], is_python_module=False,
                         extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
             _register_fakes()
         except Exception as exc:  # noqa: BLE001 — no compiler, no ninja, a build error: torch.bmm instead
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
             why = f"{type(exc).__name__}: {first}"
-            log.warning("kvchat's attention operators could not be built (%s); the compiled step uses torch.bmm", why)
+            log.warning("kvchat's operators could not be built (%s); the compiled step uses torch.bmm and inductor's "
+                        "products", why)
         _state["why"] = why
         return why
 
@@ -201,3 +359,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("kvchat::values")
     def _(p, v):
         return v.new_empty(v.shape[0], p.shape[1], v.shape[2])
+
+    @torch.library.register_fake("kvchat::matvec")
+    def _(x, w):
+        return x.new_empty(*x.shape[:-1], w.shape[0])

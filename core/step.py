@@ -204,19 +204,19 @@ class DecodeStep:
         return self.head(self.norm(x))[0]
 
 
-def _graph_product(x: torch.Tensor, copies: bool, pieces: tuple) -> torch.Tensor:
-    """``product`` inside the graph: x times the fp16 copies written as a multiply and a sum over the input, which
-    inductor compiles into one reduction kernel that reads each weight row once, widening it to fp32 in registers,
-    with the input's norm fused in. The input and the sum stay fp32 where ``product``'s fp16 GEMM rounds both to fp16
-    (inductor drops such a round trip within a kernel even when written out): the eager step's numbers within that
-    rounding (tests/test_step.py). On this project's machine the step took 18.5, 19.1 and 15.8 ms against
-    20.4, 22.0 and 16.5 with the fp16 GEMM (three ad-hoc runs, one session each, alternating replies of 22 steps,
-    ``streaming`` at budget 1024 over 1,000 tokens; README, Speed). The loaded layers (``copies`` False) multiply as
-    ``product`` does."""
+def _graph_product(x: torch.Tensor, copies: bool, pieces: tuple, ops: bool = False) -> torch.Tensor:
+    """``product`` inside the graph: x times the fp16 copies with the input and the sums in fp32 (``product``'s fp16
+    GEMM rounds both to fp16): the eager step's numbers within that rounding (tests/test_step.py). With ``ops``
+    kvchat's ``matvec`` operator (core/kernels.py: each weight row read once, widened in registers); else written
+    as a multiply and a sum over the input, which inductor compiles into one reduction kernel of the same kind with the
+    input's norm fused in (inductor drops an fp16 round trip within a kernel even when written out). On this
+    project's machine the reduction kernels made the step 18.5, 19.1 and 15.8 ms against 20.4, 22.0 and 16.5 with the
+    fp16 GEMM (three ad-hoc runs), and ``matvec`` 14.9 against 16.0 for the reduction kernels (ten replies, the two
+    alternating token by token; README, Speed). The loaded layers (``copies`` False) multiply as ``product`` does."""
     if not copies:
         return product(x, copies, pieces)
     weight, bias = pieces[0]
-    out = (x[..., None, :] * weight.to(x.dtype)).sum(-1)
+    out = torch.ops.kvchat.matvec(x, weight) if ops else (x[..., None, :] * weight.to(x.dtype)).sum(-1)
     return out if bias is None else out + bias
 
 
@@ -229,7 +229,8 @@ def _graph(x, cos, sin, lens, keys, values, params, final, shape, ops):
     allocated, else what was evicted), so their zero probabilities keep them out of the output. Returns the logits,
     the queries ([layers, heads, dim]), keys and values ([layers, 1, KV heads, 1, dim]: one token's, as ``update``
     takes them) and each layer's attention probabilities ([KV heads, groups, capacity]) for the bookkeeping after
-    the graph. ``ops``: attention's products as kvchat's operators (core/kernels.py), else ``torch.bmm``."""
+    the graph. ``ops``: attention's products and the products with the weights as kvchat's operators
+    (core/kernels.py), else ``torch.bmm`` and inductor's own kernels."""
     nq, nk, d, inner, eps, scaling, act = shape
     heads, half = nk // d, d // 2
     hidx = torch.arange(heads)
@@ -237,7 +238,7 @@ def _graph(x, cos, sin, lens, keys, values, params, final, shape, ops):
     for i, (n1, n2, qkv_w, o_w, gu_w, down_w) in enumerate(params):
         kbuf, vbuf = keys[i].view(heads, -1, d), values[i].view(heads, -1, d)
         cap = kbuf.shape[1]
-        qkv = _graph_product(F.rms_norm(x, (x.shape[-1],), n1, eps), *qkv_w)
+        qkv = _graph_product(F.rms_norm(x, (x.shape[-1],), n1, eps), *qkv_w, ops=ops)
         qk = qkv[..., : nq + nk].view(1, -1, 1, d)
         qk = qk * cos + qk.roll(half, -1) * sin
         q, k = qk[0, : nq // d, 0], qk[0, nq // d:, 0]
@@ -249,15 +250,15 @@ def _graph(x, cos, sin, lens, keys, values, params, final, shape, ops):
         later = torch.arange(cap)[None, None, :] > lens[i][:, None, None]
         probs = scores.masked_fill(later, float("-inf")).softmax(-1)
         out = torch.ops.kvchat.values(probs, vbuf) if ops else torch.bmm(probs, vbuf)
-        x = x + _graph_product(out.reshape(1, 1, -1), *o_w)
-        gu = _graph_product(F.rms_norm(x, (x.shape[-1],), n2, eps), *gu_w)
-        x = x + _graph_product(act(gu[..., :inner]) * gu[..., inner:], *down_w)
+        x = x + _graph_product(out.reshape(1, 1, -1), *o_w, ops=ops)
+        gu = _graph_product(F.rms_norm(x, (x.shape[-1],), n2, eps), *gu_w, ops=ops)
+        x = x + _graph_product(act(gu[..., :inner]) * gu[..., inner:], *down_w, ops=ops)
         qs.append(q)
         ks.append(k)
         vs.append(v)
         ps.append(probs)
     norm_w, head_w = final
-    logits = _graph_product(F.rms_norm(x, (x.shape[-1],), norm_w, eps), *head_w)[0]
+    logits = _graph_product(F.rms_norm(x, (x.shape[-1],), norm_w, eps), *head_w, ops=ops)[0]
     return logits, torch.stack(qs), torch.stack(ks)[:, None, :, None], torch.stack(vs)[:, None, :, None], ps
 
 
@@ -283,9 +284,10 @@ class CompiledStep(DecodeStep):
     past the new token masked, so the graph's shapes stay the same while the cache's capacity does (every bounded
     policy between compressions). After the graph, each cache layer records what ``update`` would have
     (``KVLayer.appended``: positions, statistics, the archive) and the observer gets the queries and probabilities,
-    as in the eager step. Attention's two products are kvchat's operators (core/kernels.py: they stream the keys and
-    values once, where ``torch.bmm`` reads them at half the rate for this shape), built at the first compile;
-    without them (no ninja), ``torch.bmm``. dynamo's guards leave out the weights (``_unguarded``).
+    as in the eager step. Attention's two products and the products with the fp16 weights are kvchat's operators
+    (core/kernels.py: each streams its buffer once, where ``torch.bmm`` reads the cache at half the rate for this
+    shape), built at the first compile; without them (no ninja), ``torch.bmm`` and inductor's reduction kernels.
+    dynamo's guards leave out the weights (``_unguarded``).
 
     The first step compiles (one to two minutes for the default model on this project's machine; inductor's cache makes
     a later process's compile a few seconds); a capacity the graph has not seen compiles once more (with dynamic
@@ -302,7 +304,7 @@ class CompiledStep(DecodeStep):
         first = self.layers[0]
         nq, nk, _ = first.split
         self.shape = (nq, nk, self.head_dim, first.inner, first.norm1.eps, first.attn.scaling, first.act)
-        # Why kvchat's attention operators (core/kernels.py) are not in use; known from the first compile on.
+        # Why kvchat's operators (core/kernels.py) are not in use; known from the first compile on.
         self.no_ops: str | None = None
         self.compiled = None
         self.compile_s: float | None = None  # seconds the first step took to compile

@@ -170,9 +170,11 @@ COMPILED = {"atol": 3e-2, "rtol": 0}
 COMPILED_KV = {"atol": 1e-2, "rtol": 0}  # keys, values, H2O's sums (~1e-3 apart here): the same differences, smaller
 
 
-@pytest.mark.parametrize("heads,groups,slots,dim", [(3, 3, 1088, 64), (2, 1, 5, 32), (1, 4, 129, 48)])
+@pytest.mark.parametrize("heads,groups,slots,dim", [(3, 3, 1088, 64), (2, 1, 5, 32), (1, 4, 129, 48), (2, 3, 130, 20),
+                                                     (2, 2, 300, 128), (1, 2, 77, 88)])
 def test_attention_operators_compute_what_torch_bmm_does(heads, groups, slots, dim):
-    """core/kernels.py: the compiled step's scores and weighted values, whole blocks and a partial last one."""
+    """core/kernels.py: the compiled step's scores and weighted values, whole blocks and a partial last one; head
+    sizes whose keys stay in registers (32, 48, 64), longer ones (88, 128) and one that is no multiple of 8 (20)."""
     assert kernels.load() is None  # built here (CI installs ninja and a C++ compiler)
     torch.manual_seed(slots)
     q, k, v = torch.randn(heads, groups, dim), torch.randn(heads, slots, dim), torch.randn(heads, slots, dim)
@@ -185,12 +187,28 @@ def test_attention_operators_compute_what_torch_bmm_does(heads, groups, slots, d
                                torch.bmm(p, v), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows,out,inner", [((1, 1), 1152, 576), ((3,), 7, 37), ((2, 1), 49, 64)])
+def test_matvec_operator_computes_the_widened_product(rows, out, inner):
+    """kvchat::matvec: x times fp16 weights widened to fp32, as the compiled step's products; rows of 32 and a
+    tail (37), several rows of x."""
+    assert kernels.load() is None
+    torch.manual_seed(out)
+    x, w = torch.randn(*rows, inner), torch.randn(out, inner).half()
+    got = torch.ops.kvchat.matvec(x, w)
+    assert got.shape == (*rows, out) and got.dtype == torch.float32
+    torch.testing.assert_close(got, x @ w.float().T, atol=1e-4, rtol=1e-5)
+
+
 def test_attention_operators_refuse_bad_input():
     kernels.load()
     with pytest.raises(RuntimeError, match="kvchat::scores: float32 tensors"):
         torch.ops.kvchat.scores(torch.zeros(1, 1, 4, dtype=torch.float64), torch.zeros(1, 3, 4, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="kvchat::values: one weight per slot"):
         torch.ops.kvchat.values(torch.zeros(1, 1, 4), torch.zeros(1, 3, 4))
+    with pytest.raises(RuntimeError, match="kvchat::matvec: float32 x, float16 w"):
+        torch.ops.kvchat.matvec(torch.zeros(1, 4), torch.zeros(2, 4))
+    with pytest.raises(RuntimeError, match=r"kvchat::matvec: x \[\.\.\., K\] and w \[N, K\]"):
+        torch.ops.kvchat.matvec(torch.zeros(1, 4), torch.zeros(2, 5).half())
 
 
 def test_compiled_step_without_the_attention_operators(tokenizer, monkeypatch):
