@@ -6,10 +6,11 @@ for the default model) with ~1,000 cached keys and values per head. Both are rea
 and the library kernels for these shapes read at well under this machine's memory bandwidth. Ad hoc, with buffers
 cycled so that they come from memory as in a step (README, Speed): attention over 30 layers of 1,088 slots took 1.85
 ms (scores) and 2.14 ms (values) as ``torch.bmm``; 1.19 and 1.21 with the last version's plain loops, 1.10 and 1.16
-with the current ones (medians of 15 rounds in one run). The default model's weights as the step reads them (30
-layers' seven projections and the output layer, 276 MB of fp16), medians of 12 rounds in one run: ``matvec`` 10.2 ms
-(27.1 GB/s), inductor's reduction kernel for ``(x * w.float()).sum(-1)`` 13.6 (20.3), an fp16 ``F.linear`` 11.5
-(23.9), a plain sum of the same bytes 9.5 (29.0). The operators:
+with the current ones (medians of 15 rounds in one run); the values 1.11 against 1.24 once the blocks' sums were
+added inside the operator instead of by a ``sum`` call (another run). The default model's weights as the step reads
+them (30 layers' seven projections and the output layer, 276 MB of fp16), medians of 12 rounds in one run:
+``matvec`` 10.2 ms (27.1 GB/s), inductor's reduction kernel for ``(x * w.float()).sum(-1)`` 13.6 (20.3), an fp16
+``F.linear`` 11.5 (23.9), a plain sum of the same bytes 9.5 (29.0). The operators:
 
 * ``kvchat::scores(q [H, G, D], k [H, C, D]) -> [H, G, C]``: ``q @ k.transpose(1, 2)``, one dot product per query
   and slot;
@@ -247,7 +248,17 @@ at::Tensor values(const at::Tensor& p_in, const at::Tensor& v_in) {
       }
     }
   });
-  return partial.sum(1);
+  // The blocks' sums added in block order, here rather than by another operator call (a few thousand adds).
+  at::Tensor out = at::empty({H, G, D}, v.options());
+  float* res = out.data_ptr<float>();
+  for (int64_t h = 0; h < H; ++h) {
+    float* o = res + h * G * D;
+    const float* part = op + h * nb * G * D;
+    std::copy(part, part + G * D, o);
+    for (int64_t b = 1; b < nb; ++b)
+      for (int64_t j = 0; j < G * D; ++j) o[j] += part[b * G * D + j];
+  }
+  return out;
 }
 
 // One fp32 row times one fp16 row, the fp16 values widened in registers.
