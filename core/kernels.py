@@ -7,10 +7,11 @@ and the library kernels for these shapes read at well under this machine's memor
 cycled so that they come from memory as in a step (README, Speed): attention over 30 layers of 1,088 slots took 1.85
 ms (scores) and 2.14 ms (values) as ``torch.bmm``; 1.19 and 1.21 with the last version's plain loops, 1.10 and 1.16
 with the current ones (medians of 15 rounds in one run); the values 1.11 against 1.24 once the blocks' sums were
-added inside the operator instead of by a ``sum`` call (another run). The default model's weights as the step reads
-them (30 layers' seven projections and the output layer, 276 MB of fp16), medians of 12 rounds in one run:
-``matvec`` 10.2 ms (27.1 GB/s), inductor's reduction kernel for ``(x * w.float()).sum(-1)`` 13.6 (20.3), an fp16
-``F.linear`` 11.5 (23.9), a plain sum of the same bytes 9.5 (29.0). The operators:
+added inside the operator instead of by a ``sum`` call (another run). Weights shaped like the default model's (30
+layers' seven projections and the output layer, 276 MB of fp16; q/k/v with 1,152 rows where the model's have 960),
+medians of 12 rounds in one run: ``matvec`` 10.2 ms (27.1 GB/s), inductor's reduction kernel for ``(x *
+w.float()).sum(-1)`` 13.6 (20.3), an fp16 ``F.linear`` 11.5 (23.9), a plain sum of the same bytes 9.5 (29.0). The
+operators:
 
 * ``kvchat::scores(q [H, G, D], k [H, C, D]) -> [H, G, C]``: ``q @ k.transpose(1, 2)``, one dot product per query
   and slot;
@@ -294,6 +295,7 @@ at::Tensor matvec(const at::Tensor& x_in, const at::Tensor& w_in) {
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   at::Tensor out = at::empty(shape, x.options());
+  if (K == 0) return out.zero_();  // an empty sum
   const float* xp = x.data_ptr<float>();
   const at::Half* wp = w.data_ptr<at::Half>();
   float* op = out.data_ptr<float>();

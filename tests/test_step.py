@@ -187,10 +187,10 @@ def test_attention_operators_compute_what_torch_bmm_does(heads, groups, slots, d
                                torch.bmm(p, v), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows,out,inner", [((1, 1), 1152, 576), ((3,), 7, 37), ((2, 1), 49, 64)])
+@pytest.mark.parametrize("rows,out,inner", [((1, 1), 1152, 576), ((3,), 7, 37), ((2, 1), 49, 64), ((2,), 3, 0)])
 def test_matvec_operator_computes_the_widened_product(rows, out, inner):
     """kvchat::matvec: x times fp16 weights widened to fp32, as the compiled step's products; rows of 32 and a
-    tail (37), several rows of x."""
+    tail (37), several rows of x, an empty sum (0)."""
     assert kernels.load() is None
     torch.manual_seed(out)
     x, w = torch.randn(*rows, inner), torch.randn(out, inner).half()
