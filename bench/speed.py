@@ -324,12 +324,14 @@ def run(args, run: Run, cm) -> None:
         log(f"speed recompute  history {length:6d}: {ms:.0f} ms/token (re-encoding {args.budget} tokens)")
 
     if compile_s is not None:
-        # Which attention the graph ran: kvchat's operators (core/kernels.py), or torch.bmm where they were not built.
-        attention = "kvchat's operators" if cm.step.no_ops is None else f"torch.bmm ({cm.step.no_ops})"
+        # What the graph's products ran as: kvchat's operators (core/kernels.py), or torch.bmm and inductor's own
+        # products where the operators were not built.
+        operators = ("kvchat's operators" if cm.step.no_ops is None
+                     else f"torch.bmm and inductor's products ({cm.step.no_ops})")
         run.rows["compiled_steps"] = {"graph": cm.step.calls, "eager": cm.step.eager_calls, "failed": cm.step.failed,
-                                      "attention": attention}
+                                      "products": operators}
         log(f"speed: compiled decode: {cm.step.calls} steps in the graph, {cm.step.eager_calls} in the eager step "
-            f"(heads of different capacities, the growing cache of `full`); attention: {attention}"
+            f"(heads of different capacities, the growing cache of `full`); products: {operators}"
             + (f"; compiling failed: {cm.step.failed}" if cm.step.failed else ""))
     # The copy's bandwidth also drifts: the run's figure is the larger of the measurements at the start and the end.
     end_bw = bandwidth_gbs()
@@ -411,7 +413,7 @@ def markdown(result: dict) -> str:
         lines += ["", f"`--decode compiled`: the step's graph compiled in {res['compile_s']:.1f} s (its first step); "
                   f"{steps.get('graph', '?')} steps ran in the graph, {steps.get('eager', '?')} on the eager step. "
                   f"Rows marked{EAGER} are the same policy on the eager step, timed right after it."
-                  + (f" Attention in the graph: {steps['attention']}." if steps.get("attention") else "")]
+                  + (f" The graph's products: {steps['products']}." if steps.get("products") else "")]
     beside = [r for r in own if "speedup" in r]
     if beside:
         blengths = sorted({r["length"] for r in beside})

@@ -204,7 +204,7 @@ class DecodeStep:
         return self.head(self.norm(x))[0]
 
 
-def _graph_product(x: torch.Tensor, copies: bool, pieces: tuple, ops: bool = False) -> torch.Tensor:
+def _graph_product(x: torch.Tensor, copies: bool, pieces: tuple, *, ops: bool) -> torch.Tensor:
     """``product`` inside the graph: x times the fp16 copies with the input and the sums in fp32 (``product``'s fp16
     GEMM rounds both to fp16): the eager step's numbers within that rounding (tests/test_step.py). With ``ops``
     kvchat's ``matvec`` operator (core/kernels.py: each weight row read once, widened in registers); else written
