@@ -251,6 +251,7 @@ at::Tensor values(const at::Tensor& p_in, const at::Tensor& v_in) {
   });
   // The blocks' sums added in block order, here rather than by another operator call (a few thousand adds).
   at::Tensor out = at::empty({H, G, D}, v.options());
+  if (nb == 0) return out.zero_();  // no slots: an empty sum
   float* res = out.data_ptr<float>();
   for (int64_t h = 0; h < H; ++h) {
     float* o = res + h * G * D;

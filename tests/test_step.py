@@ -171,10 +171,11 @@ COMPILED_KV = {"atol": 1e-2, "rtol": 0}  # keys, values, H2O's sums (~1e-3 apart
 
 
 @pytest.mark.parametrize("heads,groups,slots,dim", [(3, 3, 1088, 64), (2, 1, 5, 32), (1, 4, 129, 48), (2, 3, 130, 20),
-                                                     (2, 2, 300, 128), (1, 2, 77, 88)])
+                                                     (2, 2, 300, 128), (1, 2, 77, 88), (2, 3, 0, 64)])
 def test_attention_operators_compute_what_torch_bmm_does(heads, groups, slots, dim):
     """core/kernels.py: the compiled step's scores and weighted values, whole blocks and a partial last one; head
-    sizes whose keys stay in registers (32, 48, 64), longer ones (88, 128) and one that is no multiple of 8 (20)."""
+    sizes whose keys stay in registers (32, 48, 64), longer ones (88, 128) and one that is no multiple of 8 (20); no
+    slots at all (an empty sum: zeros)."""
     assert kernels.load() is None  # built here (CI installs ninja and a C++ compiler)
     torch.manual_seed(slots)
     q, k, v = torch.randn(heads, groups, dim), torch.randn(heads, slots, dim), torch.randn(heads, slots, dim)
