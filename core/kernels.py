@@ -18,7 +18,14 @@ operators:
 * ``kvchat::values(p [H, G, C], v [H, C, D]) -> [H, G, D]``: ``p @ v``, each block's weighted rows summed, then the
   blocks' sums;
 * ``kvchat::matvec(x [..., K] fp32, w [N, K] fp16) -> [..., N] fp32``: ``x @ w.T`` with ``w`` widened to fp32 in
-  registers, fp32 sums; the rows of ``w`` shared out over ATen's threads, each read once.
+  registers, fp32 sums; the rows of ``w`` shared out over ATen's threads, each read once;
+* ``kvchat::block(q, k, v, lens, x, o_w, n2, eps, gu_w, down_w) -> (x', probs)``: the rest of a Llama-family layer
+  once its new key and value are in the cache — the scores, the softmax over each head's slots up to ``lens[h]``
+  (later ones 0), the weighted values, the output projection added to ``x``, the RMS norm, gate and up, SiLU(gate) *
+  up, the down projection added — with the three above inside and the norm, the softmax's and SiLU's exponentials
+  (eight lanes at a time with AVX2) and the adds in between, so that the graph makes one operator call per layer
+  where it made eight operator and kernel calls. Alternating with those token by token (ad hoc, ``streaming``,
+  budget 1024, six replies of 96 tokens): 9.68-10.17 ms a step against 9.99-10.29.
 
 Attention streams its buffers in blocks of ``BLOCK`` slots shared out over ATen's threads. With AVX, FMA and F16C
 (x86-64 since about 2013) the three are written with their intrinsics (for attention, head sizes that are multiples
@@ -50,7 +57,9 @@ SOURCE = r"""
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <tuple>
 #if defined(__AVX__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVCHAT_F16C 1
@@ -65,6 +74,28 @@ void check(const at::Tensor& a, const at::Tensor& b, const char* what) {
   TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat, what, ": float32 tensors");
   TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), what, ": CPU tensors");
 }
+
+#if defined(KVCHAT_F16C) && defined(__AVX2__)
+#define KVCHAT_AVX2 1
+// e^x for eight lanes (Cephes' polynomial; within 2 ulp), x clamped to [-87, 88] so that 2^n stays a normal float:
+// the softmax's and SiLU's exponentials, which the library would otherwise compute one value at a time here.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
 
 #ifdef KVCHAT_F16C
 inline float hsum(__m256 v) {
@@ -308,18 +339,106 @@ at::Tensor matvec(const at::Tensor& x_in, const at::Tensor& w_in) {
   return out;
 }
 
+// Each row of s [R, C] (R = H * G, heads' rows in order) as softmax over its slots [0, lens[h]], zero after them.
+void masked_softmax(float* s, const int64_t* lens, int64_t H, int64_t G, int64_t C) {
+  at::parallel_for(0, H * G, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = s + r * C;
+      const int64_t n = std::min(C, std::max<int64_t>(0, lens[r / G] + 1));
+      float mx = -INFINITY, sum = 0.f;
+      for (int64_t c = 0; c < n; ++c) mx = std::max(mx, row[c]);
+      int64_t c = 0;
+#ifdef KVCHAT_AVX2
+      const __m256 m8 = _mm256_set1_ps(mx);
+      __m256 s8 = _mm256_setzero_ps();
+      for (; c + 8 <= n; c += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + c), m8));
+        _mm256_storeu_ps(row + c, e);
+        s8 = _mm256_add_ps(s8, e);
+      }
+      sum = hsum(s8);
+#endif
+      for (; c < n; ++c) sum += (row[c] = std::exp(row[c] - mx));
+      const float inv = 1.f / sum;
+      for (c = 0; c < n; ++c) row[c] *= inv;
+      std::fill(row + n, row + C, 0.f);
+    }
+  });
+}
+
+// The rest of a decoder layer after its new key and value are in the cache, in one call instead of the eight
+// operator and kernel calls it takes as separate ones: attention of the scaled queries q [H, G, D] over each head's
+// slots [0, lens[h]] of k and v [H, C, D] (later slots get probability 0), the output projection o_w [E, H * G * D]
+// added to x [..., E], the RMS norm (weight n2, eps), gate and up (gu_w [2I, E]), SiLU(gate) * up, the down
+// projection (down_w [E, I]) added. Returns the layer's output and the attention probabilities [H, G, C].
+std::tuple<at::Tensor, at::Tensor> block(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const at::Tensor& lens_in, const at::Tensor& x_in, const at::Tensor& o_w,
+                                         const at::Tensor& n2_in, double eps, const at::Tensor& gu_w,
+                                         const at::Tensor& down_w) {
+  check(q, k, "kvchat::block");
+  const int64_t H = k.size(0), G = q.size(1), C = k.size(1), D = k.size(2), E = x_in.size(-1);
+  TORCH_CHECK(q.size(2) == D && v.sizes() == k.sizes(), "kvchat::block: queries, keys and values of one size");
+  TORCH_CHECK(lens_in.dim() == 1 && lens_in.size(0) == H && lens_in.scalar_type() == at::kLong,
+              "kvchat::block: one int64 length per head");
+  TORCH_CHECK(x_in.numel() == E && x_in.scalar_type() == at::kFloat && n2_in.numel() == E &&
+              n2_in.scalar_type() == at::kFloat, "kvchat::block: one float32 token of E values and E norm weights");
+  TORCH_CHECK(o_w.dim() == 2 && o_w.size(0) == E && o_w.size(1) == H * G * D && gu_w.dim() == 2 &&
+              gu_w.size(1) == E && gu_w.size(0) %% 2 == 0 && down_w.dim() == 2 && down_w.size(0) == E &&
+              2 * down_w.size(1) == gu_w.size(0), "kvchat::block: o [E, H*G*D], gate/up [2I, E], down [E, I]");
+  const at::Tensor lens = lens_in.contiguous(), n2 = n2_in.contiguous();
+  at::Tensor probs = scores(q, k);
+  masked_softmax(probs.data_ptr<float>(), lens.data_ptr<int64_t>(), H, G, C);
+  const at::Tensor attn = values(probs, v).reshape({1, H * G * D});
+  at::Tensor x = matvec(attn, o_w).view({E});
+  float* xp = x.data_ptr<float>();
+  const at::Tensor xin = x_in.contiguous();
+  const float* xi = xin.data_ptr<float>();
+  float ss = 0.f;
+  for (int64_t e = 0; e < E; ++e) {
+    xp[e] += xi[e];
+    ss += xp[e] * xp[e];
+  }
+  const float r = 1.f / std::sqrt(ss / E + static_cast<float>(eps));
+  at::Tensor h = at::empty({1, E}, x.options());
+  float* hp = h.data_ptr<float>();
+  const float* wp = n2.data_ptr<float>();
+  for (int64_t e = 0; e < E; ++e) hp[e] = wp[e] * (xp[e] * r);
+  const at::Tensor gu = matvec(h, gu_w);
+  const int64_t I = down_w.size(1);
+  at::Tensor a = at::empty({1, I}, x.options());
+  const float* g = gu.data_ptr<float>();
+  float* ap = a.data_ptr<float>();
+  int64_t i = 0;
+#ifdef KVCHAT_AVX2
+  const __m256 one = _mm256_set1_ps(1.f);
+  for (; i + 8 <= I; i += 8) {
+    const __m256 g8 = _mm256_loadu_ps(g + i);
+    const __m256 silu = _mm256_div_ps(g8, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), g8))));
+    _mm256_storeu_ps(ap + i, _mm256_mul_ps(silu, _mm256_loadu_ps(g + I + i)));
+  }
+#endif
+  for (; i < I; ++i) ap[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+  const at::Tensor d = matvec(a, down_w);
+  const float* dp = d.data_ptr<float>();
+  for (int64_t e = 0; e < E; ++e) xp[e] += dp[e];
+  return {x.view(x_in.sizes()), probs};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvchat, m) {
   m.def("scores(Tensor q, Tensor k) -> Tensor");
   m.def("values(Tensor p, Tensor v) -> Tensor");
   m.def("matvec(Tensor x, Tensor w) -> Tensor");
+  m.def("block(Tensor q, Tensor k, Tensor v, Tensor lens, Tensor x, Tensor o_w, Tensor n2, float eps, Tensor gu_w, "
+        "Tensor down_w) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvchat, CPU, m) {
   m.impl("scores", &scores);
   m.impl("values", &values);
   m.impl("matvec", &matvec);
+  m.impl("block", &block);
 }
 """ % {"block": BLOCK}
 
@@ -377,3 +496,7 @@ def _register_fakes() -> None:
     @torch.library.register_fake("kvchat::matvec")
     def _(x, w):
         return x.new_empty(*x.shape[:-1], w.shape[0])
+
+    @torch.library.register_fake("kvchat::block")
+    def _(q, k, v, lens, x, o_w, n2, eps, gu_w, down_w):
+        return x.new_empty(x.shape), q.new_empty(q.shape[0], q.shape[1], k.shape[1])

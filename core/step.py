@@ -40,7 +40,7 @@ from torch import nn
 from . import kernels
 from .attention import kvchat_attention
 from .layer import RaggedKV
-from .weights import HalfLinear
+from .weights import HalfLinear, on_huge_pages
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,7 @@ OPTIONS = {"cpp_wrapper": True, "size_asserts": False}
 # The arguments whose guards the graph goes without (``_unguarded``): the weights.
 WEIGHTS = ("params", "final")
 NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})  # the same forward, line for line
+SILU = frozenset({"SiLU", "SiLUActivation"})  # transformers' ACT2FN["silu"] and torch's: F.silu
 
 
 def check(decode: str) -> str:
@@ -147,6 +148,26 @@ class DecodeStep:
         self.norm = Norm(base.norm)
         self.layers = [_Layer(layer) for layer in base.layers[: model.config.num_hidden_layers]]
         self.head_dim = self.layers[0].attn.head_dim
+        self._place_copies()
+
+    def _place_copies(self) -> None:
+        """The fp16 copies the step reads (``--weights half``) moved into one block of huge-page memory
+        (``weights.on_huge_pages``), the ``HalfLinear`` layers' views with them; nothing changes where that cannot
+        be had. Values and shapes stay; only where the bytes live changes."""
+        projections = [p for lay in self.layers for p in (lay.qkv, lay.o, lay.gate_up, lay.down) if p.halves]
+        head = self.head if isinstance(self.head, HalfLinear) else None
+        copies = [p.weight for p in projections] + ([head.step] if head is not None else [])
+        placed = on_huge_pages(copies)
+        if placed is None:
+            return
+        for p, weight in zip(projections, placed):
+            p.weight = weight
+            start = 0
+            for m in p.linears:
+                m.step = weight[start: start + m.out_features]
+                start += m.out_features
+        if head is not None:
+            head.step = placed[-1]
 
     @staticmethod
     def unsupported(model: nn.Module) -> str | None:
@@ -230,7 +251,9 @@ def _graph(x, cos, sin, lens, keys, values, params, final, shape, ops):
     the queries ([layers, heads, dim]), keys and values ([layers, 1, KV heads, 1, dim]: one token's, as ``update``
     takes them) and each layer's attention probabilities ([KV heads, groups, capacity]) for the bookkeeping after
     the graph. ``ops``: attention's products and the products with the weights as kvchat's operators
-    (core/kernels.py), else ``torch.bmm`` and inductor's own kernels."""
+    (core/kernels.py), else ``torch.bmm`` and inductor's own kernels; ``"block"``: besides, everything in a layer after
+    its cache write — attention, the output projection, the norm, the MLP — as one ``kvchat::block`` call (a
+    layer's fp16 copies without biases and a SiLU MLP: ``CompiledStep.mode``)."""
     nq, nk, d, inner, eps, scaling, act = shape
     heads, half = nk // d, d // 2
     hidx = torch.arange(heads)
@@ -246,13 +269,17 @@ def _graph(x, cos, sin, lens, keys, values, params, final, shape, ops):
         kbuf.index_put_((hidx, lens[i]), k)
         vbuf.index_put_((hidx, lens[i]), v)
         qh = (q * scaling).view(heads, -1, d)
-        scores = torch.ops.kvchat.scores(qh, kbuf) if ops else torch.bmm(qh, kbuf.transpose(1, 2))
-        later = torch.arange(cap)[None, None, :] > lens[i][:, None, None]
-        probs = scores.masked_fill(later, float("-inf")).softmax(-1)
-        out = torch.ops.kvchat.values(probs, vbuf) if ops else torch.bmm(probs, vbuf)
-        x = x + _graph_product(out.reshape(1, 1, -1), *o_w, ops=ops)
-        gu = _graph_product(F.rms_norm(x, (x.shape[-1],), n2, eps), *gu_w, ops=ops)
-        x = x + _graph_product(act(gu[..., :inner]) * gu[..., inner:], *down_w, ops=ops)
+        if ops == "block":  # the rest of the layer as one operator call
+            x, probs = torch.ops.kvchat.block(qh, kbuf, vbuf, lens[i], x, o_w[1][0][0], n2, eps, gu_w[1][0][0],
+                                              down_w[1][0][0])
+        else:
+            scores = torch.ops.kvchat.scores(qh, kbuf) if ops else torch.bmm(qh, kbuf.transpose(1, 2))
+            later = torch.arange(cap)[None, None, :] > lens[i][:, None, None]
+            probs = scores.masked_fill(later, float("-inf")).softmax(-1)
+            out = torch.ops.kvchat.values(probs, vbuf) if ops else torch.bmm(probs, vbuf)
+            x = x + _graph_product(out.reshape(1, 1, -1), *o_w, ops=ops)
+            gu = _graph_product(F.rms_norm(x, (x.shape[-1],), n2, eps), *gu_w, ops=ops)
+            x = x + _graph_product(act(gu[..., :inner]) * gu[..., inner:], *down_w, ops=ops)
         qs.append(q)
         ks.append(k)
         vs.append(v)
@@ -286,8 +313,10 @@ class CompiledStep(DecodeStep):
     (``KVLayer.appended``: positions, statistics, the archive) and the observer gets the queries and probabilities,
     as in the eager step. Attention's two products and the products with the fp16 weights are kvchat's operators
     (core/kernels.py: each streams its buffer once, where ``torch.bmm`` reads the cache at half the rate for this
-    shape), built at the first compile; without them (no ninja), ``torch.bmm`` and inductor's reduction kernels.
-    dynamo's guards leave out the weights (``_unguarded``).
+    shape), built at the first compile, and for Llama-family layers as released everything after a layer's cache
+    write is one ``kvchat::block`` call (``mode``); without the operators (no ninja), ``torch.bmm`` and inductor's
+    reduction kernels. dynamo's guards leave out the weights (``_unguarded``). The fp16 copies the graph reads sit in
+    huge-page memory where Linux allows (``DecodeStep._place_copies``).
 
     The first step compiles (one to two minutes for the default model on this project's machine; inductor's cache makes
     a later process's compile a few seconds); a capacity the graph has not seen compiles once more (with dynamic
@@ -306,6 +335,7 @@ class CompiledStep(DecodeStep):
         self.shape = (nq, nk, self.head_dim, first.inner, first.norm1.eps, first.attn.scaling, first.act)
         # Why kvchat's operators (core/kernels.py) are not in use; known from the first compile on.
         self.no_ops: str | None = None
+        self.ops: bool | str = False  # ``mode()``, from the first compile on
         self.compiled = None
         self.compile_s: float | None = None  # seconds the first step took to compile
         self.failed: str | None = None
@@ -360,10 +390,23 @@ class CompiledStep(DecodeStep):
                 return False
         return True
 
+    def mode(self):
+        """What the graph's layers run on (``_graph``'s ``ops``): ``"block"`` with kvchat's operators where every
+        layer's output projection and MLP are fp16 copies without biases and the MLP's activation is SiLU (Llama,
+        Mistral, Qwen2 as released), True with the operators otherwise, False without them (``no_ops`` says why)."""
+        if self.no_ops is not None:
+            return False
+        for lay in self.layers:
+            parts = (lay.o, lay.gate_up, lay.down)
+            if not all(p.halves and p.bias is None for p in parts) or type(lay.act).__name__ not in SILU:
+                return True
+        return "block"
+
     def _run(self, x, cos, sin, lens, keys, values):
         params, final = self.params
         if self.compiled is None:
             self.no_ops = kernels.load()
+            self.ops = self.mode()
             options = dict(OPTIONS)
             if hasattr(torch.compiler, "keep_tensor_guards_unsafe"):  # torch 2.8 on: guard filters
                 options["guard_filter_fn"] = _unguarded
@@ -371,10 +414,10 @@ class CompiledStep(DecodeStep):
             log.warning("compiling the decode step (once per model and cache shape; a minute or two the first time "
                         "on a small CPU, seconds once inductor's cache has it)")
             t = time.perf_counter()
-            out = self.compiled(x, cos, sin, lens, keys, values, params, final, self.shape, self.no_ops is None)
+            out = self.compiled(x, cos, sin, lens, keys, values, params, final, self.shape, self.ops)
             self.compile_s = time.perf_counter() - t
             return out
-        return self.compiled(x, cos, sin, lens, keys, values, params, final, self.shape, self.no_ops is None)
+        return self.compiled(x, cos, sin, lens, keys, values, params, final, self.shape, self.ops)
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, cache, observer=None) -> torch.Tensor:
         if not self.serves(cache):

@@ -11,11 +11,18 @@ bytes. Norms, attention and the KV cache stay in the model's dtype.
 
 ``model`` leaves the model as loaded. ``auto`` is ``half`` for an fp32 model on the CPU and ``model`` elsewhere
 (GPUs pick their dtype with ``--dtype``).
+
+The decode step (core/step.py) moves the fp16 copies into one block of memory backed by 2 MiB pages where Linux
+allows (``on_huge_pages``): a step reads all ~270 MB of them, and with 4 KiB pages that is ~66,000 pages' address
+translations per token, each a page walk of the virtual machine's two levels of page tables once the TLB is
+exhausted. On this project's machine (README, Speed) that made the compiled step 12.3 ms against 12.9.
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -86,3 +93,44 @@ def step_bytes(model: nn.Module) -> int:
         skip.discard(id(output.weight))
     return (sum(m.step.numel() * m.step.element_size() for m in halves)
             + sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in skip))
+
+
+HUGE_PAGE = 2 << 20
+THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def huge_pages_allowed() -> bool:
+    """Whether anonymous memory can be asked for transparent huge pages here: Linux with THP in ``always`` or
+    ``madvise`` mode (``never``: no)."""
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return False
+    try:
+        with open(THP) as f:
+            mode = f.read()
+    except OSError:
+        return False
+    return "[never]" not in mode
+
+
+def on_huge_pages(tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """Copies of the CPU ``tensors``, in order, in one private anonymous mapping advised to the kernel as huge-page
+    memory (``madvise(MADV_HUGEPAGE)`` before its pages are first touched, so they are faulted in as 2 MiB pages
+    where the kernel has them, else as ordinary pages: nothing to configure, nothing that fails); each copy starts
+    on a 64-byte boundary. The mapping lives as long as any of the copies (``torch.frombuffer`` holds it). None
+    where huge pages cannot be asked for (``huge_pages_allowed``) or a tensor is not on the CPU."""
+    if not tensors or not huge_pages_allowed() or any(t.device.type != "cpu" for t in tensors):
+        return None
+    sizes = [(t.numel() * t.element_size() + 63) // 64 * 64 for t in tensors]
+    total = sum(sizes)
+    region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(mmap.MADV_HUGEPAGE)
+    raw = torch.frombuffer(region, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % HUGE_PAGE  # the copies from a 2 MiB boundary on
+    out = []
+    for t, size in zip(tensors, sizes):
+        n = t.numel() * t.element_size()
+        copy = raw[start: start + n].view(t.dtype).view(t.shape)
+        copy.copy_(t)
+        out.append(copy)
+        start += size
+    return out

@@ -1,6 +1,7 @@
 """The one-token decode step (core/step.py) computes what the model's forward computes, on kvchat's cache."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -200,6 +201,92 @@ def test_matvec_operator_computes_the_widened_product(rows, out, inner):
     torch.testing.assert_close(got, x @ w.float().T, atol=1e-4, rtol=1e-5)
 
 
+def _block_reference(q, k, v, lens, x, o_w, n2, eps, gu_w, down_w):
+    """What ``kvchat::block`` computes, as the graph computes it without the block (core/step.py, ``_graph``)."""
+    later = torch.arange(k.shape[1])[None, None, :] > lens[:, None, None]
+    probs = torch.bmm(q, k.transpose(1, 2)).masked_fill(later, float("-inf")).softmax(-1)
+    x = x + torch.bmm(probs, v).reshape(1, 1, -1) @ o_w.float().T
+    gu = torch.nn.functional.rms_norm(x, (x.shape[-1],), n2, eps) @ gu_w.float().T
+    inner = down_w.shape[1]
+    return x + (torch.nn.functional.silu(gu[..., :inner]) * gu[..., inner:]) @ down_w.float().T, probs
+
+
+@pytest.mark.parametrize("heads,groups,slots,dim,hidden,inner", [(3, 3, 1088, 64, 576, 1536), (2, 2, 37, 16, 64, 100),
+                                                                  (1, 4, 5, 20, 24, 7)])
+def test_block_operator_computes_the_rest_of_a_layer(heads, groups, slots, dim, hidden, inner):
+    """kvchat::block: attention over each head's slots up to its length (later ones get probability 0, exactly),
+    the output projection, the norm, the SiLU MLP, as the separate operations compute them; the default model's
+    shapes, small ones, sizes no multiple of 8 (the exponentials' tails)."""
+    assert kernels.load() is None
+    torch.manual_seed(slots)
+    q, k, v = torch.randn(heads, groups, dim) * 0.3, torch.randn(heads, slots, dim), torch.randn(heads, slots, dim)
+    lens = torch.randint(0, slots, (heads,))
+    lens[0] = slots - 1  # one head with every slot in use
+    x, n2 = torch.randn(1, 1, hidden), torch.rand(hidden) + 0.5
+    o_w = (torch.randn(hidden, heads * groups * dim) / (heads * groups * dim) ** 0.5).half()
+    gu_w = (torch.randn(2 * inner, hidden) / hidden ** 0.5).half()
+    down_w = (torch.randn(hidden, inner) / inner ** 0.5).half()
+    out, probs = torch.ops.kvchat.block(q, k, v, lens, x, o_w, n2, 1e-5, gu_w, down_w)
+    want_out, want_probs = _block_reference(q, k, v, lens, x, o_w, n2, 1e-5, gu_w, down_w)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(probs, want_probs, atol=1e-6, rtol=1e-5)
+    for h in range(heads):
+        assert torch.all(probs[h, :, lens[h] + 1:] == 0)
+    with pytest.raises(RuntimeError, match="kvchat::block: one int64 length per head"):
+        torch.ops.kvchat.block(q, k, v, lens.int(), x, o_w, n2, 1e-5, gu_w, down_w)
+    with pytest.raises(RuntimeError, match=r"kvchat::block: o \[E, H\*G\*D\], gate/up \[2I, E\], down \[E, I\]"):
+        torch.ops.kvchat.block(q, k, v, lens, x, o_w, n2, 1e-5, gu_w[1:], down_w)
+
+
+def test_compiled_step_with_another_activation_keeps_the_separate_products(tokenizer):
+    """A model whose MLP is not SiLU: the graph keeps kvchat's separate products (``CompiledStep.mode``), with the
+    eager step's logits."""
+    model = build_tiny("llama", tokenizer)
+    for layer in model.model.layers:
+        layer.mlp.act_fn = torch.nn.GELU(approximate="tanh")
+    weights.apply(model, "half")
+    eager = ChatModel.from_pretrained_model(model, tokenizer, name="eager")
+    compiled = ChatModel.from_pretrained_model(copy.deepcopy(model), tokenizer, name="compiled", decode="compiled")
+    sessions = _prefilled([eager, compiled], seed=3, policy="streaming", budget=40, slack=4)
+    token = 5
+    for _ in range(8):
+        logits = _fed(sessions, token, 0)
+        torch.testing.assert_close(logits[1], logits[0], **COMPILED)
+        token = int(logits[0].argmax())
+    assert compiled.step.ops is True and compiled.step.calls >= 6 and compiled.step.failed is None
+
+
+def _mapping(address: int) -> tuple[int, int, list[str]]:
+    """The start, end and VmFlags of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
+    span = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):
+                lo, hi = (int(a, 16) for a in line.split(None, 1)[0].split("-"))
+                span = (lo, hi) if lo <= address < hi else None
+            elif span is not None and line.startswith("VmFlags:"):
+                return (*span, line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not weights.huge_pages_allowed(), reason="no transparent huge pages on this system")
+def test_step_reads_its_fp16_copies_from_huge_page_memory(tokenizer):
+    """The fp16 copies a step reads move into one mapping advised for huge pages (VmFlags ``hg``), with their
+    values, and the HalfLinear layers' views move with them."""
+    model = build_tiny("qwen2", tokenizer)
+    weights.apply(model, "half")
+    halves = {n: m for n, m in model.named_modules() if isinstance(m, weights.HalfLinear)}
+    before = {n: m.step.clone() for n, m in halves.items()}
+    step = DecodeStep(model)
+    for n, m in halves.items():
+        assert torch.equal(m.step, before[n])
+    attn = model.model.layers[0].self_attn
+    assert attn.k_proj.step.data_ptr() == step.layers[0].qkv.weight[attn.q_proj.out_features:].data_ptr()
+    lo, hi, flags = _mapping(step.layers[0].qkv.weight.data_ptr())
+    assert "hg" in flags
+    assert all(lo <= m.step.data_ptr() < hi for m in halves.values())
+
+
 def test_attention_operators_refuse_bad_input():
     kernels.load()
     with pytest.raises(RuntimeError, match="kvchat::scores: float32 tensors"):
@@ -260,7 +347,7 @@ def test_compiled_step_gives_the_eager_steps_logits_and_cache(arch, tokenizer):
         token = int(logits[0].argmax())
     step = compiled.step
     assert step.failed is None and step.calls >= 20  # the graph ran (steps right after a full cache run eagerly)
-    assert step.no_ops is None  # with kvchat's attention operators
+    assert step.no_ops is None and step.ops == "block"  # with kvchat's operators, a layer's rest as one call
     for a, b in zip(*(s.cache.layers for s in sessions)):
         assert a.lens == b.lens and torch.equal(a.abs_pos, b.abs_pos)
         n = a.lens[0]
