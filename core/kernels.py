@@ -1,5 +1,5 @@
-"""The compiled decode step's products (core/step.py) as three small C++ operators: attention's two and the
-products with the fp16 weights.
+"""The compiled decode step's products (core/step.py) as small C++ operators: attention's two, the products with
+the fp16 weights, and the rest of a layer after its cache write built from them.
 
 A decode step multiplies one token's vector with every weight matrix and a few queries per KV head (GQA's groups: 3
 for the default model) with ~1,000 cached keys and values per head. Both are reads of memory with little arithmetic,
@@ -28,14 +28,14 @@ operators:
   budget 1024, six replies of 96 tokens): 9.68-10.17 ms a step against 9.99-10.29.
 
 Attention streams its buffers in blocks of ``BLOCK`` slots shared out over ATen's threads. With AVX, FMA and F16C
-(x86-64 since about 2013) the three are written with their intrinsics (for attention, head sizes that are multiples
-of 8; a key of up to 64 values stays in registers while every query meets it); elsewhere as plain loops the compiler
-vectorizes. All three are float32 arithmetic in another summation order than the library's (tests/test_step.py
-compares them with ``torch.bmm`` and a widened product). They are built once per machine with
-``torch.utils.cpp_extension`` (g++, the compiler the compiled step needs anyway; ninja, a kvchat dependency;
-``-march=native``) into torch's extension cache, and registered as torch operators so that ``torch.compile`` calls
-them inside its graph. ``load()`` says why they cannot be had; the compiled step then uses ``torch.bmm`` and
-inductor's own products.
+(x86-64 since about 2013) the three products are written with their intrinsics (for attention, head sizes that are
+multiples of 8; a key of up to 64 values stays in registers while every query meets it); elsewhere as plain loops
+the compiler vectorizes. All are float32 arithmetic in another summation order than the library's
+(tests/test_step.py compares them with ``torch.bmm``, a widened product and the separate operations). They are built
+once per machine with ``torch.utils.cpp_extension`` (g++, the compiler the compiled step needs anyway; ninja, a
+kvchat dependency; ``-march=native``) into torch's extension cache, and registered as torch operators so that
+``torch.compile`` calls them inside its graph. ``load()`` says why they cannot be had; the compiled step then uses
+``torch.bmm`` and inductor's own products.
 """
 
 from __future__ import annotations
