@@ -5,20 +5,21 @@ The history (PG19 stand-in text, fed with ``feed_raw(score=False)``) is built on
 the cache keeps its size, the policy takes over from there) and answers a user turn of ``--prompt`` tokens with
 ``--steps`` decoded tokens (stop tokens disabled); the turn is then undone so every policy sees the same history. The
 full cache gets its own session (up to the model's max positions). Timers around the compression and the attention
-observer give the policy bookkeeping as a share of the decode time. The StreamingLLM paper's baseline, sliding window
-with recomputation, re-encodes the last ``--budget`` tokens from scratch for each generated token. The roofline ratio
-compares a measured decode step with (bytes of the weights a step reads + kept KV bytes) / the memory bandwidth,
-which the bench measures itself with a large tensor copy at the start and the end (the larger counts); beside each
-policy's steps too (a copy after every block of the transformers loop's steps, the median of those: this machine's
-copies vary by tens of percent within minutes), for a second ratio. A bare transformers loop (DynamicCache, SDPA,
-greedy: what ``generate`` does per token, without its processors; ``Reference``) holding as many positions as the
-bounded caches runs beside every policy: blocks of its steps are timed between blocks of the policy's, so both see
-the same machine (this one's speed drifts by tens of percent within minutes); ``speedup`` is its median step over the
-policy's. The same loop at each history, where it fits the model's positions, runs twice on the same model object:
-with kvchat's weights, and with the fp16 copies of ``--weights half`` switched off (the weights as transformers loads
-them, ``weights.as_loaded``). TTFT (prefill of the user message until the first token's logits) is measured for
-messages of ``--ttft-prompts`` tokens at turns ``--ttft-turns`` of a chat of FastChat exchanges.
-"""
+observer give the policy bookkeeping as a share of the decode time. The StreamingLLM paper's baseline, sliding
+window with recomputation, re-encodes the last ``--budget`` tokens from scratch for each generated token. The
+roofline ratio compares a measured decode step with (bytes of the weights a step reads + the cache's key and value
+buffers, which the compiled step reads whole) / the memory bandwidth, which the bench measures itself with a large
+tensor copy at the start and the end (the larger counts; each the best of copies in ordinary and in huge-page
+memory); beside each policy's steps too (a copy after every block of the transformers loop's steps, the median of
+those: this machine's copies vary by tens of percent within minutes), for a second ratio. A bare transformers loop
+(DynamicCache, SDPA, greedy: what ``generate`` does per token, without its processors; ``Reference``) holding as
+many positions as the bounded caches runs beside every policy: blocks of its steps are timed between blocks of the
+policy's, so both see the same machine (this one's speed drifts by tens of percent within minutes); ``speedup`` is
+its median step over the policy's. The same loop at each history, where it fits the model's positions, runs twice on
+the same model object: with kvchat's weights, and with the fp16 copies of ``--weights half`` switched off (the
+weights as transformers loads them, ``weights.as_loaded``). TTFT (prefill of the user message until the first
+token's logits) is measured for messages of ``--ttft-prompts`` tokens at turns ``--ttft-turns`` of a chat of
+FastChat exchanges. """
 
 from __future__ import annotations
 
@@ -398,9 +399,10 @@ def markdown(result: dict) -> str:
     lines = [f"Budget {cfg['budget']}, {cfg['steps']} decoded tokens per measurement (decode ms/token: the median "
              f"step), a {cfg['prompt']}-token user turn; `--weights {res.get('weights', 'model')}`; memory bandwidth "
              f"measured {res['bandwidth_gbs']:.1f} GB/s{measured}; a decode step reads "
-             f"{res['weight_bytes'] / 2**20:.0f} MiB of weights. Roofline = (weight bytes a step reads + kept KV "
-             "bytes) / bandwidth; the ratios are the lowest-highest over the histories, the last column's at the "
-             "bandwidth measured beside the policy's steps (copies between blocks of the transformers loop's).",
+             f"{res['weight_bytes'] / 2**20:.0f} MiB of weights. Roofline = (weight bytes a step reads + the cache's "
+             "key and value buffers, budget + slack) / bandwidth; the ratios are the lowest-highest over the "
+             "histories, the last column's at the bandwidth measured beside the policy's steps (copies between blocks "
+             "of the transformers loop's).",
              "", "| policy | " + " | ".join(f"decode ms/token @ {n}" for n in lengths)
              + " | prefill ms @ " + " | prefill ms @ ".join(map(str, lengths))
              + " | bookkeeping | roofline ms | measured / roofline | at the bandwidth beside it |",
