@@ -53,6 +53,7 @@ OPTIONS = {"cpp_wrapper": True, "size_asserts": False}
 # The arguments whose guards the graph goes without (``_unguarded``): the weights.
 WEIGHTS = ("params", "final")
 NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})  # the same forward, line for line
+ROPE_BLOCK = 256  # positions per block of kept rotary cos/sin' (``DecodeStep._rope_block``)
 SILU = frozenset({"SiLU", "SiLUActivation"})  # transformers' ACT2FN["silu"] and torch's: F.silu
 
 
@@ -148,6 +149,15 @@ class DecodeStep:
         self.norm = Norm(base.norm)
         self.layers = [_Layer(layer) for layer in base.layers[: model.config.num_hidden_layers]]
         self.head_dim = self.layers[0].attn.head_dim
+        # Rotary cos/sin' are kept per block of positions below the model's maximum (``_rope_block``: ~4 MB for all
+        # 8,192 of the default model, only the blocks in use are made) where they depend on the position alone;
+        # rope types that rescale with the sequence's length (dynamic NTK, LongRoPE), and models off the CPU, compute
+        # them at every step.
+        rope = getattr(self.rotary, "rope_type", None)
+        static = rope is not None and "dynamic" not in rope and rope != "longrope"
+        static = static and next(model.parameters()).device.type == "cpu"  # elsewhere int(position) would sync
+        self.rope_limit = getattr(model.config, "max_position_embeddings", 0) if static else 0
+        self._rope_blocks: dict[int, torch.Tensor] = {}
         self._place_copies()
 
     def _place_copies(self) -> None:
@@ -199,11 +209,31 @@ class DecodeStep:
     def _embed(self, token: torch.Tensor, position: torch.Tensor):
         """The token's embedding [1, 1, hidden] and its rotary cos and sin', each [1, 1, 1, head_dim]."""
         x = self.embed(token[None])
-        cos, sin = self.rotary(x, position[None])
+        if self.rope_limit:
+            p = int(position[0])
+            if p < self.rope_limit:
+                block = self._rope_block(p // ROPE_BLOCK, x)
+                row = p % ROPE_BLOCK
+                return x, block[0, row].view(1, 1, 1, -1), block[1, row].view(1, 1, 1, -1)
+        cos, sin = self._rope(x, position[None])
+        return x, cos[:, None], sin[:, None]
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's rotary cos and sin' for ``positions`` ([1, n]), each [1, n, head_dim]. The model computes x *
+        cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1); the step computes it as x * cos + roll(x) * sin'
+        with sin' = cat(-sin1, sin2): the same products ((-a) * b is a * (-b) exactly) in three kernels, not six."""
+        cos, sin = self.rotary(x, positions)
         half = self.head_dim // 2
-        # The model's x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1), as x * cos + roll(x) * sin'
-        # with sin' = cat(-sin1, sin2): the same products ((-a) * b is a * (-b) exactly) in three kernels, not six.
-        return x, cos[:, None], torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)[:, None]
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+    def _rope_block(self, b: int, x: torch.Tensor) -> torch.Tensor:
+        """cos and sin' of positions [b * ROPE_BLOCK, (b + 1) * ROPE_BLOCK) as [2, ROPE_BLOCK, head_dim], computed
+        once by the model's rotary module (element-wise in the position: the same bits as one at a time) and kept."""
+        block = self._rope_blocks.get(b)
+        if block is None:
+            positions = torch.arange(b * ROPE_BLOCK, (b + 1) * ROPE_BLOCK, device=x.device)[None]
+            block = self._rope_blocks[b] = torch.cat(self._rope(x, positions))
+        return block
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, cache, observer=None) -> torch.Tensor:
         """Logits [1, vocab] for one token id (``token``, shape [1]) at ``position`` ([1]) on top of ``cache``."""

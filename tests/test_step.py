@@ -256,6 +256,22 @@ def test_compiled_step_with_another_activation_keeps_the_separate_products(token
     assert compiled.step.ops is True and compiled.step.calls >= 6 and compiled.step.failed is None
 
 
+@pytest.mark.parametrize("arch", ["llama", "llama3-scaled"])
+def test_kept_rotary_values_are_the_rotary_modules(arch, tokenizer):
+    """The step's kept cos/sin' blocks (``DecodeStep._rope_block``) hold what the model's rotary module gives for
+    one position at a time, bit for bit, across a block's edges; past the model's maximum they are computed."""
+    model = build_tiny(arch, tokenizer)
+    step = DecodeStep(model)
+    assert step.rope_limit == model.config.max_position_embeddings > 0
+    token = torch.tensor([5])
+    x = step.embed(token[None])
+    for p in (0, 255, 256, 1000, step.rope_limit - 1, step.rope_limit + 3):
+        _, cos, sin = step._embed(token, torch.tensor([p]))
+        want_cos, want_sin = step._rope(x, torch.tensor([[p]]))
+        assert torch.equal(cos, want_cos[:, None]) and torch.equal(sin, want_sin[:, None])
+    assert all(b * 256 < step.rope_limit for b in step._rope_blocks) and len(step._rope_blocks) <= 4
+
+
 def _mapping(address: int) -> tuple[int, int, list[str]]:
     """The start, end and VmFlags of the mapping of this process that holds ``address`` (/proc/self/smaps)."""
     span = None
