@@ -24,8 +24,8 @@ operators:
   (later ones 0), the weighted values, the output projection added to ``x``, the RMS norm, gate and up, SiLU(gate) *
   up, the down projection added — with the three above inside and the norm, the softmax's and SiLU's exponentials
   (eight lanes at a time with AVX2) and the adds in between, so that the graph makes one operator call per layer
-  where it made eight operator and kernel calls. Alternating with those token by token (ad hoc, ``streaming``,
-  budget 1024, six replies of 96 tokens): 9.68-10.17 ms a step against 9.99-10.29.
+  where it made eight operator and kernel calls. Alternating with those in blocks of 8 tokens (ad hoc,
+  ``streaming``, budget 1024, six replies of 96 tokens): 9.68-10.17 ms per token against 9.99-10.29.
 
 Attention streams its buffers in blocks of ``BLOCK`` slots shared out over ATen's threads. With AVX, FMA and F16C
 (x86-64 since about 2013) the three products are written with their intrinsics (for attention, head sizes that are

@@ -10,7 +10,7 @@ from kvchat.core import kernels, models, weights
 from kvchat.core.models import ChatModel
 from kvchat.core.session import Sampling, Session
 from kvchat.core.settings import Settings
-from kvchat.core.step import CompiledStep, DecodeStep, Norm
+from kvchat.core.step import ROPE_BLOCK, CompiledStep, DecodeStep, Norm
 
 from tinymodels import build_tiny
 
@@ -269,7 +269,7 @@ def test_kept_rotary_values_are_the_rotary_modules(arch, tokenizer):
         _, cos, sin = step._embed(token, torch.tensor([p]))
         want_cos, want_sin = step._rope(x, torch.tensor([[p]]))
         assert torch.equal(cos, want_cos[:, None]) and torch.equal(sin, want_sin[:, None])
-    assert all(b * 256 < step.rope_limit for b in step._rope_blocks) and len(step._rope_blocks) <= 4
+    assert all(b * ROPE_BLOCK < step.rope_limit for b in step._rope_blocks) and len(step._rope_blocks) <= 4
 
 
 def _mapping(address: int) -> tuple[int, int, list[str]]:
