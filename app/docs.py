@@ -28,7 +28,8 @@ OTHER_FLAGS = (
      "loaded; +50% weight memory for fp32); `model`: as loaded; `auto`: `half` for an fp32 model on the CPU"),
     ("`--decode`", "auto",
      "`auto`: one-token steps of Llama-family models (Llama, Mistral, Qwen2) run in kvchat's step (`core/step.py`: the "
-     "model's computation without transformers' per-module dispatch, q/k/v and gate/up as one product each), other "
+     "model's computation without transformers' per-module dispatch; with `--weights half` and a C++ compiler on "
+     "kvchat's operators, `core/kernels.py`: two calls per layer), other "
      "models through their forward; `compiled`: that step, every layer in one `torch.compile` graph (fp32 models on "
      "the CPU; a minute or two to compile the first time, seconds once inductor's cache has it; eager step if "
      "compiling fails); `model`: every step through the model's forward"),

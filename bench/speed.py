@@ -332,6 +332,11 @@ def run(args, run: Run, cm) -> None:
         rows.append({"policy": "recompute", "length": length, "decode_ms_per_token": ms, "window": args.budget})
         log(f"speed recompute  history {length:6d}: {ms:.0f} ms/token (re-encoding {args.budget} tokens)")
 
+    step = cm.step
+    if step is not None:  # what kvchat's eager step ran on: its operators (core/kernels.py) or the separate ones
+        run.rows["eager_step"] = ("kvchat's operators" if step.without_ops is None
+                                  else f"separate operations ({step.without_ops})")
+        log(f"speed: the eager decode step ran on {run.rows['eager_step']}")
     if compile_s is not None:
         # What the graph's products ran as: kvchat's operators (core/kernels.py), or torch.bmm and inductor's own
         # products where the operators were not built.
@@ -418,6 +423,8 @@ def markdown(result: dict) -> str:
         lines.append(f"| {p} | {dec} | {pre} | {100 * book:.1f}% | {last['roofline_ms']:.1f} | "
                      f"{min(ratios):.2f}-{max(ratios):.2f} | "
                      + (f"{min(near):.2f}-{max(near):.2f} |" if near else "– |"))
+    if res.get("eager_step"):
+        lines += ["", f"The eager decode step (`--decode auto`) ran on {res['eager_step']}."]
     if res.get("compile_s") is not None:
         steps = res.get("compiled_steps") or {}
         lines += ["", f"`--decode compiled`: the step's graph compiled in {res['compile_s']:.1f} s (its first step); "

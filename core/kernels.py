@@ -1,5 +1,6 @@
-"""The compiled decode step's products (core/step.py) as small C++ operators: attention's two, the products with
-the fp16 weights, and the rest of a layer after its cache write built from them.
+"""The decode step's products (core/step.py) as small C++ operators: attention's two, the products with the fp16
+weights, and the two parts of a layer around its cache write built from them, which the eager step calls one after
+the other and the compiled step's graph calls inside it.
 
 A decode step multiplies one token's vector with every weight matrix and a few queries per KV head (GQA's groups: 3
 for the default model) with ~1,000 cached keys and values per head. Both are reads of memory with little arithmetic,
@@ -19,6 +20,10 @@ operators:
   blocks' sums;
 * ``kvchat::matvec(x [..., K] fp32, w [N, K] fp16) -> [..., N] fp32``: ``x @ w.T`` with ``w`` widened to fp32 in
   registers, fp32 sums; the rows of ``w`` shared out over ATen's threads, each read once;
+* ``kvchat::project(x, n, eps, w, bias, cos, sin, rotated) -> [..., N]``: a layer's part before its cache write —
+  the RMS norm of one token's x, its product with w (q/k/v concatenated; ``matvec``), the bias if any, and the rotary
+  embedding of the first ``rotated`` outputs (queries and keys) head by head — in one call where the eager step made
+  six or more; with ``rotated`` 0, the output layer's norm and product;
 * ``kvchat::block(q, k, v, lens, x, o_w, n2, eps, gu_w, down_w) -> (x', probs)``: the rest of a Llama-family layer
   once its new key and value are in the cache — the scores, the softmax over each head's slots up to ``lens[h]``
   (later ones 0), the weighted values, the output projection added to ``x``, the RMS norm, gate and up, SiLU(gate) *
@@ -27,15 +32,16 @@ operators:
   where it made eight operator and kernel calls. Alternating with those in blocks of 8 tokens (ad hoc,
   ``streaming``, budget 1024, six replies of 96 tokens): 9.68-10.17 ms per token against 9.99-10.29.
 
-Attention streams its buffers in blocks of ``BLOCK`` slots shared out over ATen's threads. With AVX, FMA and F16C
-(x86-64 since about 2013) the three products are written with their intrinsics (for attention, head sizes that are
-multiples of 8; a key of up to 64 values stays in registers while every query meets it); elsewhere as plain loops
-the compiler vectorizes. All are float32 arithmetic in another summation order than the library's
-(tests/test_step.py compares them with ``torch.bmm``, a widened product and the separate operations). They are built
-once per machine with ``torch.utils.cpp_extension`` (g++, the compiler the compiled step needs anyway; ninja, a
-kvchat dependency; ``-march=native``) into torch's extension cache, and registered as torch operators so that
-``torch.compile`` calls them inside its graph. ``load()`` says why they cannot be had; the compiled step then uses
-``torch.bmm`` and inductor's own products.
+Attention reads each head's slots in place: a cache buffer's heads may lie any distance apart (the eager step hands
+the first n slots of each, a view), its rows of one head one after the other. It streams them in blocks of ``BLOCK``
+slots shared out over ATen's threads. With AVX, FMA and F16C (x86-64 since about 2013) the three products are
+written with their intrinsics (for attention, head sizes that are multiples of 8; a key of up to 64 values stays in
+registers while every query meets it); elsewhere as plain loops the compiler vectorizes. All are float32 arithmetic
+in another summation order than the library's (tests/test_step.py compares them with ``torch.bmm``, a widened
+product and the separate operations). They are built once per machine with ``torch.utils.cpp_extension`` (g++;
+ninja, a kvchat dependency; ``-march=native``) into torch's extension cache, and registered as torch operators so
+that ``torch.compile`` calls them inside its graph. ``load()`` says why they cannot be had; the eager step then runs
+without them and the compiled step uses ``torch.bmm`` and inductor's own products.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ SOURCE = r"""
 #include <cmath>
 #include <cstdint>
 #include <tuple>
+#include <vector>
 #if defined(__AVX__) && defined(__F16C__) && defined(__FMA__)
 #include <immintrin.h>
 #define KVCHAT_F16C 1
@@ -73,6 +80,12 @@ void check(const at::Tensor& a, const at::Tensor& b, const char* what) {
   TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0), what, ": 3-d tensors of the same heads");
   TORCH_CHECK(a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat, what, ": float32 tensors");
   TORCH_CHECK(a.device().is_cpu() && b.device().is_cpu(), what, ": CPU tensors");
+}
+
+// A cache buffer [H, C, D] as it is when each head's rows are dense (head after head at any distance: the first
+// slots of a larger buffer, as the eager step hands them), else a contiguous copy.
+at::Tensor rows(const at::Tensor& t) {
+  return t.stride(2) == 1 && (t.size(1) <= 1 || t.stride(1) == t.size(2)) ? t : t.contiguous();
 }
 
 #if defined(KVCHAT_F16C) && defined(__AVX2__)
@@ -161,8 +174,9 @@ inline void values_avx(const float* w, const float* v, float* out, int64_t D, in
 at::Tensor scores(const at::Tensor& q_in, const at::Tensor& k_in) {
   check(q_in, k_in, "kvchat::scores");
   TORCH_CHECK(q_in.size(2) == k_in.size(2), "kvchat::scores: queries and keys of one size");
-  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous();
+  const at::Tensor q = q_in.contiguous(), k = rows(k_in);
   const int64_t H = k.size(0), C = k.size(1), D = k.size(2), G = q.size(1), nb = (C + BLOCK - 1) / BLOCK;
+  const int64_t hs = k.stride(0);  // from one head's slots to the next's
   at::Tensor out = at::empty({H, G, C}, q.options());
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
@@ -172,7 +186,7 @@ at::Tensor scores(const at::Tensor& q_in, const at::Tensor& k_in) {
       const int64_t h = i / nb, c0 = (i %% nb) * BLOCK, c1 = std::min(C, c0 + BLOCK);
 #ifdef KVCHAT_F16C
       if (D %% 8 == 0) {
-        const float *qh = qp + h * G * D, *kh = kp + h * C * D;
+        const float *qh = qp + h * G * D, *kh = kp + h * hs;
         float* oh = op + h * G * C;
         switch (D / 8) {
           case 4: scores_reg<4>(qh, kh, oh, G, C, c0, c1); break;
@@ -186,7 +200,7 @@ at::Tensor scores(const at::Tensor& q_in, const at::Tensor& k_in) {
       int64_t c = c0;
       // Four slots at a time: four independent sums in flight instead of one chain of adds per dot product.
       for (; c + 4 <= c1; c += 4) {
-        const float* k0 = kp + (h * C + c) * D;
+        const float* k0 = kp + h * hs + c * D;
         const float *k1 = k0 + D, *k2 = k1 + D, *k3 = k2 + D;
         for (int64_t g = 0; g < G; ++g) {
           const float* qr = qp + (h * G + g) * D;
@@ -206,7 +220,7 @@ at::Tensor scores(const at::Tensor& q_in, const at::Tensor& k_in) {
         }
       }
       for (; c < c1; ++c) {
-        const float* kr = kp + (h * C + c) * D;
+        const float* kr = kp + h * hs + c * D;
         for (int64_t g = 0; g < G; ++g) {
           const float* qr = qp + (h * G + g) * D;
           float acc = 0.f;
@@ -223,8 +237,9 @@ at::Tensor scores(const at::Tensor& q_in, const at::Tensor& k_in) {
 at::Tensor values(const at::Tensor& p_in, const at::Tensor& v_in) {
   check(p_in, v_in, "kvchat::values");
   TORCH_CHECK(p_in.size(2) == v_in.size(1), "kvchat::values: one weight per slot");
-  const at::Tensor p = p_in.contiguous(), v = v_in.contiguous();
+  const at::Tensor p = p_in.contiguous(), v = rows(v_in);
   const int64_t H = v.size(0), C = v.size(1), D = v.size(2), G = p.size(1), nb = (C + BLOCK - 1) / BLOCK;
+  const int64_t hs = v.stride(0);
 #ifdef KVCHAT_F16C
   const bool avx = D %% 8 == 0;
 #else
@@ -245,7 +260,7 @@ at::Tensor values(const at::Tensor& p_in, const at::Tensor& v_in) {
         // after the first query.
         for (int64_t g = 0; g < G; ++g) {
           const float* w = pp + (h * G + g) * C;
-          const float* vh = vp + h * C * D;
+          const float* vh = vp + h * hs;
           float* o = acc + g * D;
           int64_t d0 = 0;
           for (; d0 + 64 <= D; d0 += 64) values_avx<8>(w, vh, o, D, d0, c0, c1);
@@ -259,7 +274,7 @@ at::Tensor values(const at::Tensor& p_in, const at::Tensor& v_in) {
       int64_t c = c0;
       // Four slots at a time: each query's sums loaded and stored once per four rows of values.
       for (; c + 4 <= c1; c += 4) {
-        const float* v0 = vp + (h * C + c) * D;
+        const float* v0 = vp + h * hs + c * D;
         const float *v1 = v0 + D, *v2 = v1 + D, *v3 = v2 + D;
         for (int64_t g = 0; g < G; ++g) {
           const float* w = pp + (h * G + g) * C + c;
@@ -270,7 +285,7 @@ at::Tensor values(const at::Tensor& p_in, const at::Tensor& v_in) {
         }
       }
       for (; c < c1; ++c) {
-        const float* vr = vp + (h * C + c) * D;
+        const float* vr = vp + h * hs + c * D;
         for (int64_t g = 0; g < G; ++g) {
           const float w = pp[(h * G + g) * C + c];
           float* a = acc + g * D;
@@ -366,6 +381,52 @@ void masked_softmax(float* s, const int64_t* lens, int64_t H, int64_t G, int64_t
   });
 }
 
+// out[e] = w[e] * (x[e] / sqrt(mean(x^2) + eps)) for E values: Llama's RMS norm, as the model writes it.
+void rms_norm(const float* x, const float* w, double eps, float* out, int64_t E) {
+  float ss = 0.f;
+  for (int64_t e = 0; e < E; ++e) ss += x[e] * x[e];
+  const float r = 1.f / std::sqrt(ss / E + static_cast<float>(eps));
+  for (int64_t e = 0; e < E; ++e) out[e] = w[e] * (x[e] * r);
+}
+
+// A layer's first part in one call where the eager step made six: the RMS norm of one token's x [..., E] (weight n,
+// eps), its product with w [N, E] (fp16, ``matvec``), the bias [N] if given, and the rotary embedding of the first
+// ``rotated`` outputs, head after head of D = cos.numel() values: y * cos + roll(y, D / 2) * sin' with sin' =
+// cat(-sin1, sin2), the eager step's form of the model's y * cos + rotate_half(y) * sin. With ``rotated`` 0, the
+// output layer's norm and product. Returns [..., N] in fp32.
+at::Tensor project(const at::Tensor& x_in, const at::Tensor& n_in, double eps, const at::Tensor& w,
+                   const c10::optional<at::Tensor>& bias_in, const at::Tensor& cos_in, const at::Tensor& sin_in,
+                   int64_t rotated) {
+  const int64_t E = x_in.size(-1), N = w.size(0), D = cos_in.numel();
+  TORCH_CHECK(x_in.numel() == E && x_in.scalar_type() == at::kFloat && n_in.numel() == E &&
+              n_in.scalar_type() == at::kFloat, "kvchat::project: one float32 token of E values and E norm weights");
+  TORCH_CHECK(cos_in.scalar_type() == at::kFloat && sin_in.scalar_type() == at::kFloat && sin_in.numel() == D &&
+              D %% 2 == 0 && rotated >= 0 && rotated <= N && (rotated == 0 || rotated %% D == 0),
+              "kvchat::project: float32 cos and sin of one even head size dividing the rotated outputs");
+  const at::Tensor xin = x_in.contiguous(), n = n_in.contiguous();
+  at::Tensor h = at::empty({1, E}, xin.options());
+  rms_norm(xin.data_ptr<float>(), n.data_ptr<float>(), eps, h.data_ptr<float>(), E);
+  at::Tensor out = matvec(h, w);  // checks w
+  float* op = out.data_ptr<float>();
+  if (bias_in.has_value()) {
+    const at::Tensor b = bias_in->contiguous();
+    TORCH_CHECK(b.numel() == N && b.scalar_type() == at::kFloat, "kvchat::project: a float32 bias of N values");
+    const float* bp = b.data_ptr<float>();
+    for (int64_t i = 0; i < N; ++i) op[i] += bp[i];
+  }
+  const at::Tensor c = cos_in.contiguous(), s = sin_in.contiguous();
+  const float *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
+  const int64_t half = D / 2;
+  std::vector<float> y(D);
+  for (int64_t base = 0; base < rotated; base += D) {
+    std::copy(op + base, op + base + D, y.begin());
+    for (int64_t j = 0; j < D; ++j) op[base + j] = y[j] * cp[j] + y[(j + half) %% D] * sp[j];
+  }
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = N;
+  return out.view(shape);
+}
+
 // The rest of a decoder layer after its new key and value are in the cache, in one call instead of the eight
 // operator and kernel calls it takes as separate ones: attention of the scaled queries q [H, G, D] over each head's
 // slots [0, lens[h]] of k and v [H, C, D] (later slots get probability 0), the output projection o_w [E, H * G * D]
@@ -393,16 +454,9 @@ std::tuple<at::Tensor, at::Tensor> block(const at::Tensor& q, const at::Tensor& 
   float* xp = x.data_ptr<float>();
   const at::Tensor xin = x_in.contiguous();
   const float* xi = xin.data_ptr<float>();
-  float ss = 0.f;
-  for (int64_t e = 0; e < E; ++e) {
-    xp[e] += xi[e];
-    ss += xp[e] * xp[e];
-  }
-  const float r = 1.f / std::sqrt(ss / E + static_cast<float>(eps));
+  for (int64_t e = 0; e < E; ++e) xp[e] += xi[e];
   at::Tensor h = at::empty({1, E}, x.options());
-  float* hp = h.data_ptr<float>();
-  const float* wp = n2.data_ptr<float>();
-  for (int64_t e = 0; e < E; ++e) hp[e] = wp[e] * (xp[e] * r);
+  rms_norm(xp, n2.data_ptr<float>(), eps, h.data_ptr<float>(), E);
   const at::Tensor gu = matvec(h, gu_w);
   const int64_t I = down_w.size(1);
   at::Tensor a = at::empty({1, I}, x.options());
@@ -430,6 +484,8 @@ TORCH_LIBRARY(kvchat, m) {
   m.def("scores(Tensor q, Tensor k) -> Tensor");
   m.def("values(Tensor p, Tensor v) -> Tensor");
   m.def("matvec(Tensor x, Tensor w) -> Tensor");
+  m.def("project(Tensor x, Tensor n, float eps, Tensor w, Tensor? bias, Tensor cos, Tensor sin, int rotated) -> "
+        "Tensor");
   m.def("block(Tensor q, Tensor k, Tensor v, Tensor lens, Tensor x, Tensor o_w, Tensor n2, float eps, Tensor gu_w, "
         "Tensor down_w) -> (Tensor, Tensor)");
 }
@@ -438,6 +494,7 @@ TORCH_LIBRARY_IMPL(kvchat, CPU, m) {
   m.impl("scores", &scores);
   m.impl("values", &values);
   m.impl("matvec", &matvec);
+  m.impl("project", &project);
   m.impl("block", &block);
 }
 """ % {"block": BLOCK}
@@ -460,8 +517,17 @@ def load() -> str | None:
 
             # -march=native: one build per CPU kind (torch's extension cache is keyed by the name, not the CPU)
             name = f"kvchat_decode_ops_{torch.backends.cpu.get_cpu_capability().lower()}"
-            load_inline(name, cpp_sources=[SOURCE], is_python_module=False,
-                        extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+            # Loading a build takes a fraction of a second; building takes ~30 s on a 2-core machine, once: said
+            # when it is taking that long.
+            notice = threading.Timer(3.0, log.warning, ("building kvchat's decode operators (core/kernels.py; once "
+                                                        "per machine and version, about half a minute on 2 cores)",))
+            notice.daemon = True
+            notice.start()
+            try:
+                load_inline(name, cpp_sources=[SOURCE], is_python_module=False,
+                            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+            finally:
+                notice.cancel()
             _register_fakes()
         except Exception as exc:  # noqa: BLE001 — no compiler, no ninja, a build error: torch.bmm instead
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -495,6 +561,10 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("kvchat::matvec")
     def _(x, w):
+        return x.new_empty(*x.shape[:-1], w.shape[0])
+
+    @torch.library.register_fake("kvchat::project")
+    def _(x, n, eps, w, bias, cos, sin, rotated):
         return x.new_empty(*x.shape[:-1], w.shape[0])
 
     @torch.library.register_fake("kvchat::block")

@@ -4,25 +4,34 @@ A decode step on the CPU is many small pieces of work: per layer seven products 
 the rotary embedding, the cache update and attention. Through the model's ``forward`` each of them also pays
 transformers' module calls, keyword plumbing and per-projection casts: on this project's machine the small
 operations of a step took longer than its products (README, Speed). ``DecodeStep`` runs the same computation for
-one token:
+one token, in one of two ways:
 
-* the model's own modules where they run once per step or carry the model's formula (embedding, rotary embedding,
-  RMS norms, the MLP's activation, the output layer);
-* q/k/v and gate/up as one product each: with ``--weights half`` their fp16 copies are concatenated once and the
-  ``HalfLinear`` layers keep views into the concatenation (no extra memory); with the weights as loaded each
-  projection is its own product, as in the model;
-* the rotary embedding of queries and keys in one pass (the model's formula, ``x * cos + rotate_half(x) * sin``,
-  in three kernels);
-* kvchat's cache update and attention function, as the model's forward calls them (the cache layer's ``update``,
-  ``kvchat_attention`` with the observer), so policies, statistics and the archive see what they always see.
+* on kvchat's operators (core/kernels.py), where the fp16 copies of ``--weights half`` are in use, the model is
+  fp32 on the CPU with Llama's RMS norms and a SiLU MLP, and the operators build (a C++ compiler; once per machine):
+  per layer ``kvchat::project`` (the norm, q/k/v as one product, their bias, the rotary embedding of q and k),
+  kvchat's cache update, and ``kvchat::block`` (attention over the layer's keys and values in place, the output
+  projection, the norm, the MLP), then ``kvchat::project`` for the output layer: two operator calls per layer where
+  the step without them makes about twenty. Heads of different lengths (``headaware``) take the attention below and
+  the operators for the products. The products widen the fp16 weights in registers and sum in fp32 with the input
+  unrounded, where an fp16 GEMM rounds the input and the products to fp16: logits within that rounding of the
+  model's forward with the same copies, and about as close to the fp32 model's (tests/test_step.py). ``without_ops``
+  says why a step runs without them;
+* otherwise the model's own modules where they run once per step or carry the model's formula (embedding, RMS
+  norms, the MLP's activation, the output layer); q/k/v and gate/up as one product each (with ``--weights half``
+  their fp16 copies are concatenated once and the ``HalfLinear`` layers keep views into the concatenation; with the
+  weights as loaded each projection is its own product, as in the model); the rotary embedding of queries and keys
+  in one pass (the model's formula, ``x * cos + rotate_half(x) * sin``, in three kernels); kvchat's cache update
+  and attention function, as the model's forward calls them.
 
-It serves decoder layers whose forward is Llama's (``SUPPORTED``: Llama, Mistral, Qwen2 — Qwen2's q/k/v biases
-included); other architectures, reads of several tokens, recall's query tap and models dispatched by accelerate
-hooks run through the model's forward. ``--decode model`` turns it off. tests/test_step.py compares it with the
-model's forward for each supported family: the same logits bit for bit with the weights as loaded (fp32 or bf16),
-within 1e-5 with ``--weights half`` (one fp16 product for q/k/v instead of three may sum in another order), and the
-same greedy replies. Alternating with the model's forward on this project's machine it saved 5-6 ms of a 30-32 ms step
-(median of 96 steps each, ``streaming`` at budget 1024; README, Speed).
+Either way the cache layer's ``update`` and the policy's observer see what they always see, so policies,
+statistics and the archive are the same. It serves decoder layers whose forward is Llama's (``SUPPORTED``: Llama,
+Mistral, Qwen2 — Qwen2's q/k/v biases included); other architectures, reads of several tokens, recall's query tap
+and models dispatched by accelerate hooks run through the model's forward. ``--decode model`` turns it off.
+tests/test_step.py compares it with the model's forward for each supported family: without the operators the same
+logits bit for bit with the weights as loaded (fp32 or bf16), within 1e-5 with ``--weights half`` (one fp16
+product for q/k/v instead of three may sum in another order); with them within the fp16 rounding above; the same
+greedy replies either way. On this project's machine the step without the operators saved 5-6 ms of a 30-32 ms step
+against the model's forward, and the operators took it from 22-24 to 12-15 ms per token (README, Speed).
 """
 
 from __future__ import annotations
@@ -142,6 +151,13 @@ class _Layer:
         self.inner = mlp.gate_proj.out_features
 
 
+def _blockable(lay: _Layer) -> bool:
+    """Whether ``kvchat::block`` can run the layer after its cache write: the output projection and the MLP as fp16
+    copies without biases, a SiLU MLP (Llama, Mistral, Qwen2 as released)."""
+    parts = (lay.o, lay.gate_up, lay.down)
+    return all(p.halves and p.bias is None for p in parts) and type(lay.act).__name__ in SILU
+
+
 class DecodeStep:
     def __init__(self, model: nn.Module):
         base = model.model
@@ -159,6 +175,23 @@ class DecodeStep:
         self.rope_limit = getattr(model.config, "max_position_embeddings", 0) if static else 0
         self._rope_blocks: dict[int, torch.Tensor] = {}
         self._place_copies()
+        # Why the step runs without kvchat's operators (None: it runs on them; ``_operators``).
+        self.without_ops: str | None = self._operators(model)
+
+    def _operators(self, model: nn.Module) -> str | None:
+        """Whether every layer can run on kvchat's operators (core/kernels.py: ``project`` for the norm, q/k/v and
+        the rotary embedding, ``block`` for the rest of a layer, ``project`` for the output layer), building them
+        if need be (once per machine): None if so, else why not. They need the fp16 copies of ``--weights half``
+        (with the layers' norms as Llama's, in fp32 on the CPU) and a C++ compiler."""
+        param = next(model.parameters())
+        if param.device.type != "cpu" or param.dtype != torch.float32:
+            return f"the operators serve fp32 models on the CPU (this one: {param.dtype} on {param.device.type})"
+        norms = [n for lay in self.layers for n in (lay.norm1, lay.norm2)] + [self.norm]
+        if not all(n.fused and n.eps is not None for n in norms):
+            return "the model's norms are not Llama's RMS norm in fp32"
+        if not all(lay.qkv.halves and _blockable(lay) for lay in self.layers) or not isinstance(self.head, HalfLinear):
+            return "the weights are not fp16 copies without biases after q/k/v, or the MLP is not SiLU"
+        return kernels.load()
 
     def _place_copies(self) -> None:
         """The fp16 copies the step reads (``--weights half``) moved into one block of huge-page memory
@@ -240,18 +273,44 @@ class DecodeStep:
         x, cos, sin = self._embed(token, position)
         d, half = self.head_dim, self.head_dim // 2
         extra = {"kvchat_observer": observer} if observer is not None else {}
+        ops = self.without_ops is None and self.layers[0].qkv.linears[0].use_step  # not ``weights.as_loaded``
+        lens = None  # the last layer's kvchat::block lengths, for the next layer with the same
         for i, lay in enumerate(self.layers):
             nq, nk, _ = lay.split
-            qkv = lay.qkv(lay.norm1(x))
-            qk = qkv[..., : nq + nk].view(1, -1, 1, d)  # [1, query + key heads, 1, d]
-            qk = qk * cos + qk.roll(half, -1) * sin
-            q, k = qk[:, : nq // d], qk[:, nq // d:]
+            if ops:  # the norm, q/k/v and the rotary embedding of q and k in one operator call
+                qkv = torch.ops.kvchat.project(x, lay.norm1.weight, lay.norm1.eps, lay.qkv.weight, lay.qkv.bias, cos,
+                                               sin, nq + nk)
+                q, k = qkv[..., :nq].view(1, -1, 1, d), qkv[..., nq: nq + nk].view(1, -1, 1, d)
+            else:
+                qkv = lay.qkv(lay.norm1(x))
+                qk = qkv[..., : nq + nk].view(1, -1, 1, d)  # [1, query + key heads, 1, d]
+                qk = qk * cos + qk.roll(half, -1) * sin
+                q, k = qk[:, : nq // d], qk[:, nq // d:]
             v = qkv[..., nq + nk:].view(1, -1, 1, d)
             keys, values = cache.layers[i].update(k, v)
+            if ops and not isinstance(keys, RaggedKV):  # the rest of the layer as one operator call
+                heads, n = keys.shape[1], keys.shape[2]
+                if lens is None or lens.shape[0] != heads or int(lens[0]) != n - 1:
+                    lens = torch.full((heads,), n - 1, dtype=torch.long)
+                qh = (q[0, :, 0] * lay.attn.scaling).view(heads, -1, d)
+                x, probs = torch.ops.kvchat.block(qh, keys[0], values[0], lens, x, lay.o.weight, lay.norm2.weight,
+                                                  lay.norm2.eps, lay.gate_up.weight, lay.down.weight)
+                if observer is not None:
+                    observer(lay.attn, q, keys, lay.attn.scaling, probs=[probs])
+                continue
             out, _ = kvchat_attention(lay.attn, q, keys, values, None, scaling=lay.attn.scaling, **extra)
+            if ops:  # heads of different lengths (RaggedKV): attention as without the operators, the rest on them
+                x = x + torch.ops.kvchat.matvec(out.reshape(1, 1, -1), lay.o.weight)
+                gu = torch.ops.kvchat.project(x, lay.norm2.weight, lay.norm2.eps, lay.gate_up.weight, None, cos, sin,
+                                              0)
+                x = x + torch.ops.kvchat.matvec(lay.act(gu[..., : lay.inner]) * gu[..., lay.inner:], lay.down.weight)
+                continue
             x = x + lay.o(out.reshape(1, 1, -1), widen=False)
             gu = lay.gate_up(lay.norm2(x))
             x = x + lay.down(lay.act(gu[..., : lay.inner]) * gu[..., lay.inner:], widen=False)
+        if ops:
+            return torch.ops.kvchat.project(x, self.norm.weight, self.norm.eps, self.head.step, self.head.bias, cos,
+                                            sin, 0)[0]
         return self.head(self.norm(x))[0]
 
 
@@ -426,11 +485,7 @@ class CompiledStep(DecodeStep):
         Mistral, Qwen2 as released), True with the operators otherwise, False without them (``no_ops`` says why)."""
         if self.no_ops is not None:
             return False
-        for lay in self.layers:
-            parts = (lay.o, lay.gate_up, lay.down)
-            if not all(p.halves and p.bias is None for p in parts) or type(lay.act).__name__ not in SILU:
-                return True
-        return "block"
+        return "block" if all(_blockable(lay) for lay in self.layers) else True
 
     def _run(self, x, cos, sin, lens, keys, values):
         params, final = self.params

@@ -15,14 +15,25 @@ from kvchat.core.step import ROPE_BLOCK, CompiledStep, DecodeStep, Norm
 from tinymodels import build_tiny
 
 FAMILIES = ["llama", "qwen2", "mistral", "llama3-scaled"]  # qwen2: q/k/v biases; llama3-scaled: another rope type
+# kvchat's operators (core/kernels.py) multiply by the fp16 copies with the input and each product unrounded where an
+# fp16 GEMM (the model's ``HalfLinear``, the step without them) rounds both to fp16: logits (up to ~7 on these tiny
+# models) differ by up to ~2e-2, the size of the fp16 copies' own error against the fp32 weights
+# (``test_operators_are_as_close_to_the_fp32_model_as_the_fp16_products``).
+COMPILED = {"atol": 3e-2, "rtol": 0}
+COMPILED_KV = {"atol": 1e-2, "rtol": 0}  # keys, values, H2O's sums (~1e-3 apart here): the same differences, smaller
 
 
 def _models(arch, tokenizer, held):
+    """kvchat's step and the model's forward on one tiny model, its weights ``held`` as loaded ("model") or as fp16
+    copies, the step on kvchat's operators ("operators") or without them ("half")."""
     model = build_tiny(arch, tokenizer)
-    weights.apply(model, held)
+    weights.apply(model, "model" if held == "model" else "half")
     fast = ChatModel.from_pretrained_model(model, tokenizer, name="fast")
     slow = ChatModel.from_pretrained_model(copy.deepcopy(model), tokenizer, name="slow", decode="model")
     assert fast.step is not None and slow.step is None
+    if held == "half":
+        fast.step.without_ops = "turned off by the test"
+    assert (fast.step.without_ops is None) == (held == "operators")
     return fast, slow
 
 
@@ -42,25 +53,27 @@ def _fed(sessions: list[Session], token: int, message: int | None = None) -> lis
             for s in sessions]
 
 
-@pytest.mark.parametrize("held", ["model", "half"])
+@pytest.mark.parametrize("held", ["model", "half", "operators"])
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_step_gives_the_models_logits_and_cache(arch, held, tokenizer):
     sessions = _prefilled(_models(arch, tokenizer, held), policy="h2o", budget=40, slack=4)
     idx = len(sessions[0].messages) - 1
     token = int(sessions[0].last_logits.argmax())
+    close, close_kv = ({"atol": 1e-5, "rtol": 1e-5},) * 2 if held != "operators" else (COMPILED, COMPILED_KV)
     for _ in range(20):  # past the budget: compressions, h2o's statistics, re-rotated keys
         logits = _fed(sessions, token, idx)
         if held == "model":  # the same operations in the same order: bit for bit
             assert torch.equal(logits[0], logits[1])
         else:  # one fp16 product for q/k/v (gate/up) instead of three (two): the kernels may sum in another order
-            torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(logits[0], logits[1], **close)
+            assert int(logits[0].argmax()) == int(logits[1].argmax())
         token = int(logits[1].argmax())
     a, b = (s.cache.layers[1] for s in sessions)
     assert a.lens == b.lens and torch.equal(a.abs_pos, b.abs_pos)
     n = a.lens[0]
     torch.testing.assert_close(a.keys.view(a.heads, -1, a.keys.shape[-1])[:, :n],
-                               b.keys.view(b.heads, -1, b.keys.shape[-1])[:, :n], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(a.stats["acc"], b.stats["acc"], atol=1e-5, rtol=1e-5)
+                               b.keys.view(b.heads, -1, b.keys.shape[-1])[:, :n], **close_kv)
+    torch.testing.assert_close(a.stats["acc"], b.stats["acc"], **close_kv)
     assert sessions[0].evicted_total > 0
 
 
@@ -81,8 +94,9 @@ def test_step_in_bf16_is_the_models(tokenizer):
         token = int(logits[1].argmax())
 
 
-def test_greedy_replies_are_the_models(tokenizer):
-    fast, slow = _models("llama", tokenizer, "half")
+@pytest.mark.parametrize("held", ["half", "operators"])
+def test_greedy_replies_are_the_models(held, tokenizer):
+    fast, slow = _models("llama", tokenizer, held)
     greedy = Sampling(max_new_tokens=16, temperature=0.0)
     replies = []
     for cm in (fast, slow):
@@ -91,9 +105,11 @@ def test_greedy_replies_are_the_models(tokenizer):
     assert replies[0] == replies[1]
 
 
-def test_heads_of_different_lengths(tokenizer):
-    """Heads of one layer holding different numbers of positions (what per-head budgets leave) step as the model."""
-    sessions = _prefilled(_models("qwen2", tokenizer, "model"), seed=2, policy="window", budget=100)
+@pytest.mark.parametrize("held", ["model", "operators"])
+def test_heads_of_different_lengths(held, tokenizer):
+    """Heads of one layer holding different numbers of positions (what per-head budgets leave) step as the model
+    (on kvchat's operators: their q/k/v and output layer, the attention and the rest of the layer as without)."""
+    sessions = _prefilled(_models("qwen2", tokenizer, held), seed=2, policy="window", budget=100)
     for s in sessions:
         for layer in s.cache.layers:  # head 0 forgets its first 7 positions
             layer.keep([torch.arange(7, 30), torch.arange(30)])
@@ -102,7 +118,8 @@ def test_heads_of_different_lengths(tokenizer):
     token = 5
     for _ in range(5):
         logits = _fed(sessions, token, idx)
-        torch.testing.assert_close(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(logits[0], logits[1], **({"atol": 1e-5, "rtol": 1e-5} if held == "model" else
+                                                            COMPILED))
         token = int(logits[1].argmax())
     assert sessions[0].cache.layers[1].lens == [28, 35]
 
@@ -163,12 +180,6 @@ def _eager_and_compiled(arch, tokenizer):
     assert type(eager.step) is DecodeStep and isinstance(compiled.step, CompiledStep)
     return eager, compiled
 
-
-# The graph multiplies by the fp16 copies in kernels of its own, which leave the input and each product unrounded
-# where the eager step's fp16 GEMM rounds them to fp16: logits (up to ~7 on these tiny models) differ by up to ~2e-2,
-# the size of the fp16 copies' own error against the fp32 weights (the next test).
-COMPILED = {"atol": 3e-2, "rtol": 0}
-COMPILED_KV = {"atol": 1e-2, "rtol": 0}  # keys, values, H2O's sums (~1e-3 apart here): the same differences, smaller
 
 
 @pytest.mark.parametrize("heads,groups,slots,dim", [(3, 3, 1088, 64), (2, 1, 5, 32), (1, 4, 129, 48), (2, 3, 130, 20),
@@ -303,6 +314,79 @@ def test_step_reads_its_fp16_copies_from_huge_page_memory(tokenizer):
     assert all(lo <= m.step.data_ptr() < hi for m in halves.values())
 
 
+def test_operators_read_the_first_slots_of_a_larger_buffer_as_a_copy_of_them():
+    """The eager step hands attention each head's first n slots of its buffer (a view, heads ``capacity`` slots
+    apart): the scores, values and block read them in place, with the same bits as a contiguous copy."""
+    assert kernels.load() is None
+    torch.manual_seed(7)
+    heads, groups, cap, n, dim, hidden, inner = 3, 3, 300, 131, 64, 96, 80
+    kbuf, vbuf = torch.randn(heads, cap, dim), torch.randn(heads, cap, dim)
+    k, v = kbuf[:, :n], vbuf[:, :n]
+    assert not k.is_contiguous()
+    q = torch.randn(heads, groups, dim) * 0.3
+    assert torch.equal(torch.ops.kvchat.scores(q, k), torch.ops.kvchat.scores(q, k.contiguous()))
+    p = torch.rand(heads, groups, n)
+    assert torch.equal(torch.ops.kvchat.values(p, v), torch.ops.kvchat.values(p, v.contiguous()))
+    lens = torch.full((heads,), n - 1)
+    x, n2 = torch.randn(1, 1, hidden), torch.rand(hidden) + 0.5
+    o_w = (torch.randn(hidden, heads * groups * dim) * 0.02).half()
+    gu_w, down_w = (torch.randn(2 * inner, hidden) * 0.1).half(), (torch.randn(hidden, inner) * 0.1).half()
+    got = torch.ops.kvchat.block(q, k, v, lens, x, o_w, n2, 1e-5, gu_w, down_w)
+    want = torch.ops.kvchat.block(q, k.contiguous(), v.contiguous(), lens, x, o_w, n2, 1e-5, gu_w, down_w)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def _project_reference(x, n, eps, w, bias, cos, sin, rotated):
+    """What ``kvchat::project`` computes, as the step without the operators computes it (core/step.py)."""
+    out = torch.nn.functional.rms_norm(x, (x.shape[-1],), n, eps) @ w.float().T
+    out = out if bias is None else out + bias
+    d = cos.numel()
+    y = out[..., :rotated].reshape(-1, d)
+    y = y * cos.view(-1) + y.roll(d // 2, -1) * sin.view(-1)
+    return torch.cat([y.reshape(*out.shape[:-1], rotated), out[..., rotated:]], -1)
+
+
+@pytest.mark.parametrize("hidden,out,rotated,dim,bias", [(576, 1152, 768, 64, False), (64, 96, 64, 16, True),
+                                                        (37, 10, 0, 8, False), (40, 49152 // 64, 0, 64, True)])
+def test_project_operator_computes_norm_product_and_rotary(hidden, out, rotated, dim, bias):
+    """kvchat::project: the RMS norm, the product with fp16 weights, the bias and the rotary embedding of the first
+    ``rotated`` outputs head by head, as the separate operations compute them; the default model's q/k/v shapes, a
+    small one with biases (Qwen2's), the output layer (nothing rotated), a hidden size that is no multiple of 8."""
+    assert kernels.load() is None
+    torch.manual_seed(out)
+    x, n = torch.randn(1, 1, hidden), torch.rand(hidden) + 0.5
+    w = (torch.randn(out, hidden) / hidden ** 0.5).half()
+    b = torch.randn(out) if bias else None
+    angles = torch.rand(dim // 2) * 6
+    cos = torch.cat([angles.cos(), angles.cos()]).view(1, 1, 1, dim)
+    sin = torch.cat([-angles.sin(), angles.sin()]).view(1, 1, 1, dim)
+    got = torch.ops.kvchat.project(x, n, 1e-5, w, b, cos, sin, rotated)
+    assert got.shape == (1, 1, out)
+    torch.testing.assert_close(got, _project_reference(x, n, 1e-5, w, b, cos, sin, rotated), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="kvchat::project: float32 cos and sin of one even head size"):
+        torch.ops.kvchat.project(x, n, 1e-5, w, b, cos, sin, dim + 1)
+    with pytest.raises(RuntimeError, match="kvchat::project: a float32 bias of N values"):
+        torch.ops.kvchat.project(x, n, 1e-5, w, torch.zeros(out + 1), cos, sin, rotated)
+    with pytest.raises(RuntimeError, match="kvchat::project: one float32 token of E values and E norm weights"):
+        torch.ops.kvchat.project(x, n[1:], 1e-5, w, b, cos, sin, rotated)
+
+
+def test_eager_step_says_why_it_runs_without_the_operators(tokenizer, monkeypatch):
+    """Without a compiler, with weights as loaded, with an MLP that is not SiLU: the step without the operators,
+    and why."""
+    model = build_tiny("llama", tokenizer)
+    assert DecodeStep(model).without_ops.startswith("the weights are not fp16 copies")  # --weights model
+    gelu = build_tiny("llama", tokenizer)
+    for layer in gelu.model.layers:
+        layer.mlp.act_fn = torch.nn.GELU(approximate="tanh")
+    weights.apply(gelu, "half")
+    assert DecodeStep(gelu).without_ops.endswith("or the MLP is not SiLU")
+    weights.apply(model, "half")
+    assert DecodeStep(model).without_ops is None
+    monkeypatch.setattr(kernels, "load", lambda: "RuntimeError: Ninja is required to load C++ extensions")
+    assert DecodeStep(model).without_ops.startswith("RuntimeError: Ninja")
+
+
 def test_attention_operators_refuse_bad_input():
     kernels.load()
     with pytest.raises(RuntimeError, match="kvchat::scores: float32 tensors"):
@@ -329,23 +413,27 @@ def test_compiled_step_without_the_attention_operators(tokenizer, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_compiled_step_is_as_close_to_the_fp32_model_as_the_eager_step(arch, tokenizer):
-    """What the looser tolerance stands on: over 24 steps through compressions, the compiled step's logits stay about
-    as close to the model's own (fp32 weights, its forward) as the eager step's fp16 products leave them."""
+def test_operators_are_as_close_to_the_fp32_model_as_the_fp16_products(arch, tokenizer):
+    """What the looser tolerance stands on: over 24 steps through compressions, the logits of the eager step on
+    kvchat's operators and of the compiled step stay about as close to the model's own (fp32 weights, its forward) as
+    the fp16 GEMMs of the step without the operators leave them."""
     model = build_tiny(arch, tokenizer)
     fp32 = ChatModel.from_pretrained_model(copy.deepcopy(model), tokenizer, name="fp32", decode="model")
     weights.apply(model, "half")
+    plain = ChatModel.from_pretrained_model(copy.deepcopy(model), tokenizer, name="plain")
+    plain.step.without_ops = "turned off by the test"
     eager = ChatModel.from_pretrained_model(model, tokenizer, name="eager")
     compiled = ChatModel.from_pretrained_model(copy.deepcopy(model), tokenizer, name="compiled", decode="compiled")
-    sessions = _prefilled([fp32, eager, compiled], policy="streaming", budget=40, slack=4)
-    token, worst = 5, [0.0, 0.0]
+    assert eager.step.without_ops is None
+    sessions = _prefilled([fp32, plain, eager, compiled], policy="streaming", budget=40, slack=4)
+    token, worst = 5, [0.0, 0.0, 0.0]
     for _ in range(24):
         logits = _fed(sessions, token, 0)
-        for i in (0, 1):
+        for i in (0, 1, 2):
             worst[i] = max(worst[i], float((logits[i + 1] - logits[0]).abs().max()))
         token = int(logits[0].argmax())
     assert compiled.step.calls >= 20
-    assert 0 < worst[1] <= 1.5 * worst[0] and worst[0] < COMPILED["atol"]
+    assert 0 < worst[1] <= 1.5 * worst[0] and 0 < worst[2] <= 1.5 * worst[0] and worst[0] < COMPILED["atol"]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
