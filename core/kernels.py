@@ -401,7 +401,7 @@ at::Tensor project(const at::Tensor& x_in, const at::Tensor& n_in, double eps, c
   TORCH_CHECK(x_in.numel() == E && x_in.scalar_type() == at::kFloat && n_in.numel() == E &&
               n_in.scalar_type() == at::kFloat, "kvchat::project: one float32 token of E values and E norm weights");
   TORCH_CHECK(cos_in.scalar_type() == at::kFloat && sin_in.scalar_type() == at::kFloat && sin_in.numel() == D &&
-              D %% 2 == 0 && rotated >= 0 && rotated <= N && (rotated == 0 || rotated %% D == 0),
+              D %% 2 == 0 && rotated >= 0 && rotated <= N && (rotated == 0 || (D > 0 && rotated %% D == 0)),
               "kvchat::project: float32 cos and sin of one even head size dividing the rotated outputs");
   const at::Tensor xin = x_in.contiguous(), n = n_in.contiguous();
   at::Tensor h = at::empty({1, E}, xin.options());

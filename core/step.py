@@ -31,7 +31,8 @@ tests/test_step.py compares it with the model's forward for each supported famil
 logits bit for bit with the weights as loaded (fp32 or bf16), within 1e-5 with ``--weights half`` (one fp16
 product for q/k/v instead of three may sum in another order); with them within the fp16 rounding above; the same
 greedy replies either way. On this project's machine the step without the operators saved 5-6 ms of a 30-32 ms step
-against the model's forward, and the operators took it from 22-24 to 12-15 ms per token (README, Speed).
+against the model's forward, and the operators took the reply loop from about 22 to 12.4-14.1 ms per token
+(alternating with the step without them, ``streaming`` at budget 1024; README, Speed).
 """
 
 from __future__ import annotations
@@ -274,7 +275,7 @@ class DecodeStep:
         d, half = self.head_dim, self.head_dim // 2
         extra = {"kvchat_observer": observer} if observer is not None else {}
         ops = self.without_ops is None and self.layers[0].qkv.linears[0].use_step  # not ``weights.as_loaded``
-        lens = None  # the last layer's kvchat::block lengths, for the next layer with the same
+        lens, held = None, None  # kvchat::block's lengths (each head's last slot) and (heads, slots) they are for
         for i, lay in enumerate(self.layers):
             nq, nk, _ = lay.split
             if ops:  # the norm, q/k/v and the rotary embedding of q and k in one operator call
@@ -290,8 +291,8 @@ class DecodeStep:
             keys, values = cache.layers[i].update(k, v)
             if ops and not isinstance(keys, RaggedKV):  # the rest of the layer as one operator call
                 heads, n = keys.shape[1], keys.shape[2]
-                if lens is None or lens.shape[0] != heads or int(lens[0]) != n - 1:
-                    lens = torch.full((heads,), n - 1, dtype=torch.long)
+                if held != (heads, n):  # layers of one length share them
+                    lens, held = torch.full((heads,), n - 1, dtype=torch.long), (heads, n)
                 qh = (q[0, :, 0] * lay.attn.scaling).view(heads, -1, d)
                 x, probs = torch.ops.kvchat.block(qh, keys[0], values[0], lens, x, lay.o.weight, lay.norm2.weight,
                                                   lay.norm2.eps, lay.gate_up.weight, lay.down.weight)

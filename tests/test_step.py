@@ -365,6 +365,8 @@ def test_project_operator_computes_norm_product_and_rotary(hidden, out, rotated,
     torch.testing.assert_close(got, _project_reference(x, n, 1e-5, w, b, cos, sin, rotated), atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="kvchat::project: float32 cos and sin of one even head size"):
         torch.ops.kvchat.project(x, n, 1e-5, w, b, cos, sin, dim + 1)
+    with pytest.raises(RuntimeError, match="kvchat::project: float32 cos and sin of one even head size"):
+        torch.ops.kvchat.project(x, n, 1e-5, w, b, torch.zeros(0), torch.zeros(0), dim)
     with pytest.raises(RuntimeError, match="kvchat::project: a float32 bias of N values"):
         torch.ops.kvchat.project(x, n, 1e-5, w, torch.zeros(out + 1), cos, sin, rotated)
     with pytest.raises(RuntimeError, match="kvchat::project: one float32 token of E values and E norm weights"):
