@@ -152,6 +152,19 @@ class _Layer:
         self.inner = mlp.gate_proj.out_features
 
 
+def _fp32_llama(model: nn.Module) -> str | None:
+    """Why kvchat's operators and the compiled step cannot serve ``model``'s arithmetic (None when they can): they
+    compute in fp32 on the CPU, with Llama's RMS norm (``weight * (x * rsqrt(mean(x^2) + eps))``) for every norm."""
+    param = next(model.parameters())
+    if param.device.type != "cpu" or param.dtype != torch.float32:
+        return f"only fp32 models on the CPU (this one: {param.dtype} on {param.device.type})"
+    norms = [layer.input_layernorm for layer in model.model.layers] + [model.model.norm]
+    norms += [layer.post_attention_layernorm for layer in model.model.layers]
+    if not all(type(m).__name__ in NORMS and getattr(m, "variance_epsilon", None) is not None for m in norms):
+        return "its norms are not Llama's RMS norm"
+    return None
+
+
 def _blockable(lay: _Layer) -> bool:
     """Whether ``kvchat::block`` can run the layer after its cache write: the output projection and the MLP as fp16
     copies without biases, a SiLU MLP (Llama, Mistral, Qwen2 as released)."""
@@ -184,12 +197,11 @@ class DecodeStep:
         the rotary embedding, ``block`` for the rest of a layer, ``project`` for the output layer), building them
         if need be (once per machine): None if so, else why not. They need the fp16 copies of ``--weights half``
         (with the layers' norms as Llama's, in fp32 on the CPU) and a C++ compiler."""
-        param = next(model.parameters())
-        if param.device.type != "cpu" or param.dtype != torch.float32:
-            return f"the operators serve fp32 models on the CPU (this one: {param.dtype} on {param.device.type})"
-        norms = [n for lay in self.layers for n in (lay.norm1, lay.norm2)] + [self.norm]
-        if not all(n.fused and n.eps is not None for n in norms):
-            return "the model's norms are not Llama's RMS norm in fp32"
+        why = _fp32_llama(model)
+        if why is not None:
+            return why
+        if not all(n.fused for lay in self.layers for n in (lay.norm1, lay.norm2)) or not self.norm.fused:
+            return "its norms' weights are not fp32"
         if not all(lay.qkv.halves and _blockable(lay) for lay in self.layers) or not isinstance(self.head, HalfLinear):
             return "the weights are not fp16 copies without biases after q/k/v, or the MLP is not SiLU"
         return kernels.load()
@@ -436,17 +448,7 @@ class CompiledStep(DecodeStep):
 
     @staticmethod
     def unsupported(model: nn.Module) -> str | None:
-        why = DecodeStep.unsupported(model)
-        if why is not None:
-            return why
-        param = next(model.parameters())
-        if param.device.type != "cpu" or param.dtype != torch.float32:
-            return f"it serves fp32 models on the CPU (this one: {param.dtype} on {param.device.type})"
-        norms = [layer.input_layernorm for layer in model.model.layers] + [model.model.norm]
-        norms += [layer.post_attention_layernorm for layer in model.model.layers]
-        if not all(type(m).__name__ in NORMS and getattr(m, "variance_epsilon", None) is not None for m in norms):
-            return "its norms are not Llama's RMS norm"
-        return None
+        return DecodeStep.unsupported(model) or _fp32_llama(model)
 
     def _params(self):
         """The graph's weights (the steps it takes use the one-token copies: ``serves``)."""

@@ -82,6 +82,7 @@ def test_step_in_bf16_is_the_models(tokenizer):
     model = build_tiny("qwen2", tokenizer).to(torch.bfloat16)
     fast = ChatModel.from_pretrained_model(model, tokenizer, name="fast")
     slow = ChatModel.from_pretrained_model(copy.deepcopy(model), tokenizer, name="slow", decode="model")
+    assert fast.step.without_ops == "only fp32 models on the CPU (this one: torch.bfloat16 on cpu)"
     sessions = [Session(cm, Settings(policy="h2o", budget=40, slack=4), system=None) for cm in (fast, slow)]
     torch.manual_seed(3)
     prompt = torch.randint(10, 1000, (30,)).tolist()
