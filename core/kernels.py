@@ -30,7 +30,13 @@ operators:
   up, the down projection added — with the three above inside and the norm, the softmax's and SiLU's exponentials
   (eight lanes at a time with AVX2) and the adds in between, so that the graph makes one operator call per layer
   where it made eight operator and kernel calls. Alternating with those in blocks of 8 tokens (ad hoc,
-  ``streaming``, budget 1024, six replies of 96 tokens): 9.68-10.17 ms per token against 9.99-10.29.
+  ``streaming``, budget 1024, six replies of 96 tokens): 9.68-10.17 ms per token against 9.99-10.29;
+* ``kvchat::layer(x, n1, eps1, qkv_w, qkv_b, cos, sin, nq, keys, values, cap, n, scaling, o_w, n2, eps2, gu_w,
+  down_w) -> (x', q, k, v, probs)``: a whole layer of the eager step where every head of the cache layer has a free
+  slot n: ``project``, the new key and value written at slot n of each head of the layer's buffers ([heads * cap,
+  D], head after head), the queries times ``scaling`` and ``block`` over slots [0, n]; the eager step's Python
+  around its three parts (views, the cache write, the scaling) in C++. The bits of the three parts
+  (tests/test_step.py); not registered for ``torch.compile`` (the compiled step writes the cache inside its graph).
 
 Attention reads each head's slots in place: a cache buffer's heads may lie any distance apart (the eager step hands
 the first n slots of each, a view), its rows of one head one after the other. It streams them in blocks of ``BLOCK``
@@ -478,6 +484,46 @@ std::tuple<at::Tensor, at::Tensor> block(const at::Tensor& q, const at::Tensor& 
   return {x.view(x_in.sizes()), probs};
 }
 
+// A whole decoder layer for one token whose cache heads all hold n slots of buffers with room for more, in one call
+// where the eager step made ``project``, the cache write and ``block`` with a dozen small operations between them:
+// ``project`` (the norm, q/k/v, the bias, the rotary embedding of the queries and keys), the new key and value
+// written at slot n of each head of ``keys``/``values`` ([H * cap, D], head h's slots from row h * cap), then
+// ``block`` over each head's slots [0, n] with the queries times ``scaling``. Returns the layer's output, the queries
+// [1, H * G, 1, D] (rotated, unscaled), the new key and value [1, H, 1, D] (what the cache layer records besides) and
+// the attention probabilities [H, G, n + 1].
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer(
+    const at::Tensor& x, const at::Tensor& n1, double eps1, const at::Tensor& qkv_w,
+    const c10::optional<at::Tensor>& qkv_b, const at::Tensor& cos, const at::Tensor& sin, int64_t nq,
+    const at::Tensor& keys, const at::Tensor& values, int64_t cap, int64_t n, double scaling, const at::Tensor& o_w,
+    const at::Tensor& n2, double eps2, const at::Tensor& gu_w, const at::Tensor& down_w) {
+  const int64_t N = qkv_w.dim() == 2 ? qkv_w.size(0) : 0, D = cos.numel();
+  const int64_t nk = (N - nq) / 2, H = D > 0 ? nk / D : 0;
+  TORCH_CHECK(keys.dim() == 2 && keys.sizes() == values.sizes() && keys.size(1) == D && keys.is_contiguous() &&
+              values.is_contiguous() && keys.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat &&
+              keys.device().is_cpu() && values.device().is_cpu(),
+              "kvchat::layer: contiguous float32 CPU key and value buffers [H * cap, D] of the rotary head size");
+  TORCH_CHECK(nq > 0 && nk > 0 && N == nq + 2 * nk && nk %% D == 0 && nq %% nk == 0 && cap > 0 &&
+              keys.size(0) == H * cap && n >= 0 && n < cap,
+              "kvchat::layer: q/k/v outputs of whole heads, H * cap buffer rows and a free slot n < cap");
+  const at::Tensor qkv = project(x, n1, eps1, qkv_w, qkv_b, cos, sin, nq + nk).view({N});
+  const float* src = qkv.data_ptr<float>();
+  float *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
+  for (int64_t h = 0; h < H; ++h) {
+    std::copy(src + nq + h * D, src + nq + (h + 1) * D, kp + (h * cap + n) * D);
+    std::copy(src + nq + nk + h * D, src + nq + nk + (h + 1) * D, vp + (h * cap + n) * D);
+  }
+  const int64_t G = nq / nk;
+  at::Tensor qh = at::empty({H, G, D}, qkv.options());
+  float* qp = qh.data_ptr<float>();
+  const float s = static_cast<float>(scaling);  // as ``q * scaling`` computes it for float32
+  for (int64_t i = 0; i < nq; ++i) qp[i] = src[i] * s;
+  const at::Tensor k = keys.as_strided({H, n + 1, D}, {cap * D, D, 1});
+  const at::Tensor v = values.as_strided({H, n + 1, D}, {cap * D, D, 1});
+  auto out = block(qh, k, v, at::full({H}, n, qkv.options().dtype(at::kLong)), x, o_w, n2, eps2, gu_w, down_w);
+  return {std::get<0>(out), qkv.narrow(0, 0, nq).view({1, H * G, 1, D}), qkv.narrow(0, nq, nk).view({1, H, 1, D}),
+          qkv.narrow(0, nq + nk, nk).view({1, H, 1, D}), std::get<1>(out)};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvchat, m) {
@@ -488,6 +534,9 @@ TORCH_LIBRARY(kvchat, m) {
         "Tensor");
   m.def("block(Tensor q, Tensor k, Tensor v, Tensor lens, Tensor x, Tensor o_w, Tensor n2, float eps, Tensor gu_w, "
         "Tensor down_w) -> (Tensor, Tensor)");
+  m.def("layer(Tensor x, Tensor n1, float eps1, Tensor qkv_w, Tensor? qkv_b, Tensor cos, Tensor sin, int nq, "
+        "Tensor(a!) keys, Tensor(b!) values, int cap, int n, float scaling, Tensor o_w, Tensor n2, float eps2, "
+        "Tensor gu_w, Tensor down_w) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvchat, CPU, m) {
@@ -496,6 +545,7 @@ TORCH_LIBRARY_IMPL(kvchat, CPU, m) {
   m.impl("matvec", &matvec);
   m.impl("project", &project);
   m.impl("block", &block);
+  m.impl("layer", &layer);
 }
 """ % {"block": BLOCK}
 

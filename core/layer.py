@@ -100,6 +100,23 @@ class KVLayer(CacheLayerMixin):
                 t[a: a + q] = 0
             self.lens[h] += q
 
+    def free_slot(self) -> int | None:
+        """The slot a one-token step writes in every head, when every head holds the same number of tokens in
+        buffers of one capacity with room for one more (None otherwise: ``update`` starts, resizes or writes head by
+        head). A caller that writes the token's key and value there itself records them with ``appended``."""
+        lens, caps = self.lens, self.caps
+        if not lens:
+            return None
+        n, cap = lens[0], caps[0]
+        if n >= cap or lens.count(n) != len(lens) or caps.count(cap) != len(caps):
+            return None
+        return n
+
+    def held(self) -> torch.Tensor:
+        """The keys of a layer whose heads hold equally many in buffers of one capacity, [1, heads, n, dim] (a view;
+        what ``update`` returns)."""
+        return self.keys.view(self.heads, self.caps[0], -1)[None, :, : self.lens[0]]
+
     def _slots(self, t: torch.Tensor, n: int, q: int) -> torch.Tensor:
         """Slots ``[n, n + q)`` of every head of a per-slot buffer (``abs_pos``, a statistic) whose heads all hold
         ``caps[0]`` slots, as [heads, q]: one view (``t.view(heads, cap)[:, n: n + q]`` takes three, and this runs

@@ -6,16 +6,18 @@ transformers' module calls, keyword plumbing and per-projection casts: on this p
 operations of a step took longer than its products (README, Speed). ``DecodeStep`` runs the same computation for
 one token, in one of two ways:
 
-* on kvchat's operators (core/kernels.py), where the fp16 copies of ``--weights half`` are in use, the model is
-  fp32 on the CPU with Llama's RMS norms and a SiLU MLP, and the operators build (a C++ compiler; once per machine):
-  per layer ``kvchat::project`` (the norm, q/k/v as one product, their bias, the rotary embedding of q and k),
-  kvchat's cache update, and ``kvchat::block`` (attention over the layer's keys and values in place, the output
-  projection, the norm, the MLP), then ``kvchat::project`` for the output layer: two operator calls per layer where
-  the step without them makes about twenty. Heads of different lengths (``headaware``) take the attention below and
-  the operators for the products. The products widen the fp16 weights in registers and sum in fp32 with the input
-  unrounded, where an fp16 GEMM rounds the input and the products to fp16: logits within that rounding of the
-  model's forward with the same copies, and about as close to the fp32 model's (tests/test_step.py). ``without_ops``
-  says why a step runs without them;
+* on kvchat's operators (core/kernels.py), where the fp16 copies of ``--weights half`` are in use, the model is fp32
+  on the CPU with Llama's RMS norms and a SiLU MLP, and the operators build (a C++ compiler; once per machine): per
+  layer one ``kvchat::layer`` call where every head of the cache layer has a free slot (``KVLayer.free_slot``: the
+  norm, q/k/v as one product, their bias, the rotary embedding of q and k, the new key and value written into the
+  layer's buffers, attention over them in place, the output projection, the norm, the MLP), then the cache layer's
+  ``appended`` records the rest (positions, statistics, the archive); where a head has no free slot (the cache
+  resizes first) ``kvchat::project``, the cache layer's ``update`` and ``kvchat::block``, the same computation.
+  ``kvchat::project`` then runs the output layer. Heads of different lengths (``headaware``) take the attention
+  below and the operators for the products. The products widen the fp16 weights in registers and sum in fp32 with
+  the input unrounded, where an fp16 GEMM rounds the input and the products to fp16: logits within that rounding of
+  the model's forward with the same copies, and about as close to the fp32 model's (tests/test_step.py).
+  ``without_ops`` says why a step runs without them;
 * otherwise the model's own modules where they run once per step or carry the model's formula (embedding, RMS
   norms, the MLP's activation, the output layer); q/k/v and gate/up as one product each (with ``--weights half``
   their fp16 copies are concatenated once and the ``HalfLinear`` layers keep views into the concatenation; with the
@@ -23,16 +25,18 @@ one token, in one of two ways:
   in one pass (the model's formula, ``x * cos + rotate_half(x) * sin``, in three kernels); kvchat's cache update
   and attention function, as the model's forward calls them.
 
-Either way the cache layer's ``update`` and the policy's observer see what they always see, so policies,
-statistics and the archive are the same. It serves decoder layers whose forward is Llama's (``SUPPORTED``: Llama,
-Mistral, Qwen2 — Qwen2's q/k/v biases included); other architectures, reads of several tokens, recall's query tap
-and models dispatched by accelerate hooks run through the model's forward. ``--decode model`` turns it off.
+Either way the cache layer records what ``update`` records and the policy's observer sees what it always sees, so
+policies, statistics and the archive are the same. It serves decoder layers whose forward is Llama's (``SUPPORTED``:
+Llama, Mistral, Qwen2 — Qwen2's q/k/v biases included); other architectures, reads of several tokens, recall's query
+tap and models dispatched by accelerate hooks run through the model's forward. ``--decode model`` turns it off.
 tests/test_step.py compares it with the model's forward for each supported family: without the operators the same
-logits bit for bit with the weights as loaded (fp32 or bf16), within 1e-5 with ``--weights half`` (one fp16
-product for q/k/v instead of three may sum in another order); with them within the fp16 rounding above; the same
-greedy replies either way. On this project's machine the step without the operators saved 5-6 ms of a 30-32 ms step
-against the model's forward, and the operators took the reply loop from about 22 to 12.4-14.1 ms per token
-(alternating with the step without them, ``streaming`` at budget 1024; README, Speed).
+logits bit for bit with the weights as loaded (fp32 or bf16), within 1e-5 with ``--weights half`` (one fp16 product
+for q/k/v instead of three may sum in another order); with them within the fp16 rounding above; the same greedy
+replies either way; ``kvchat::layer`` gives the bits of its three parts. On this project's machine the step without
+the operators saved 5-6 ms of a 30-32 ms step against the model's forward, the operators took the reply loop from
+about 22 to 12.4-14.1 ms per token (alternating with the step without them, ``streaming`` at budget 1024), and
+``kvchat::layer`` saved another 0.9-1.4 ms a token against its three parts (``streaming``; 1.6-2.5 ms for ``h2o``;
+README, Speed).
 """
 
 from __future__ import annotations
@@ -290,6 +294,18 @@ class DecodeStep:
         lens, held = None, None  # kvchat::block's lengths (each head's last slot) and (heads, slots) they are for
         for i, lay in enumerate(self.layers):
             nq, nk, _ = lay.split
+            layer = cache.layers[i]
+            n = layer.free_slot() if ops else None
+            if n is not None:  # the whole layer, its cache write included, in one operator call
+                x, q, k, v, probs = torch.ops.kvchat.layer(x, lay.norm1.weight, lay.norm1.eps, lay.qkv.weight,
+                                                           lay.qkv.bias, cos, sin, nq, layer.keys, layer.values,
+                                                           layer.caps[0], n, lay.attn.scaling, lay.o.weight,
+                                                           lay.norm2.weight, lay.norm2.eps, lay.gate_up.weight,
+                                                           lay.down.weight)
+                layer.appended(k, v)
+                if observer is not None:
+                    observer(lay.attn, q, layer.held(), lay.attn.scaling, probs=[probs])
+                continue
             if ops:  # the norm, q/k/v and the rotary embedding of q and k in one operator call
                 qkv = torch.ops.kvchat.project(x, lay.norm1.weight, lay.norm1.eps, lay.qkv.weight, lay.qkv.bias, cos,
                                                sin, nq + nk)
@@ -300,7 +316,7 @@ class DecodeStep:
                 qk = qk * cos + qk.roll(half, -1) * sin
                 q, k = qk[:, : nq // d], qk[:, nq // d:]
             v = qkv[..., nq + nk:].view(1, -1, 1, d)
-            keys, values = cache.layers[i].update(k, v)
+            keys, values = layer.update(k, v)
             if ops and not isinstance(keys, RaggedKV):  # the rest of the layer as one operator call
                 heads, n = keys.shape[1], keys.shape[2]
                 if held != (heads, n):  # layers of one length share them

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvchat.core import kernels, models, weights
+from kvchat.core.layer import KVLayer
 from kvchat.core.models import ChatModel
 from kvchat.core.session import Sampling, Session
 from kvchat.core.settings import Settings
@@ -75,6 +76,71 @@ def test_step_gives_the_models_logits_and_cache(arch, held, tokenizer):
                                b.keys.view(b.heads, -1, b.keys.shape[-1])[:, :n], **close_kv)
     torch.testing.assert_close(a.stats["acc"], b.stats["acc"], **close_kv)
     assert sessions[0].evicted_total > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_layer_operator_gives_the_bits_of_its_parts(arch, tokenizer, monkeypatch):
+    """kvchat::layer (a whole layer where every head has a free slot) against kvchat::project, the cache layer's
+    ``update`` and kvchat::block, through H2O's compressions: the same logits, keys, values, positions and
+    statistics, bit for bit; Qwen2's q/k/v biases included."""
+    model = build_tiny(arch, tokenizer)
+    weights.apply(model, "half")
+    cm = ChatModel.from_pretrained_model(model, tokenizer, name="ops")
+    assert cm.step.without_ops is None
+    fused, parts = _prefilled([cm, cm], policy="h2o", budget=40, slack=4)
+    real, slots = KVLayer.free_slot, []
+
+    def counted(self):
+        slots.append(real(self))
+        return slots[-1]
+
+    token = 7
+    for _ in range(20):
+        with monkeypatch.context() as m:
+            m.setattr(KVLayer, "free_slot", counted)
+            a = _fed([fused], token, 0)[0]
+        with monkeypatch.context() as m:
+            m.setattr(KVLayer, "free_slot", lambda self: None)  # project, update and block
+            b = _fed([parts], token, 0)[0]
+        assert torch.equal(a, b)
+        token = int(a.argmax())
+    assert slots and None not in slots  # every layer of every step of ``fused`` ran on kvchat::layer
+    assert fused.evicted_total > 0
+    for x, y in zip(fused.cache.layers, parts.cache.layers):
+        assert x.lens == y.lens and x.caps == y.caps
+        for t in ("keys", "values", "abs_pos"):
+            assert torch.equal(getattr(x, t), getattr(y, t)), t
+        assert torch.equal(x.stats["acc"], y.stats["acc"])
+
+
+def test_layer_operator_refuses_bad_input():
+    assert kernels.load() is None
+    heads, groups, cap, dim, hidden, inner = 2, 2, 8, 16, 32, 24
+    x, n1 = torch.randn(1, 1, hidden), torch.ones(hidden)
+    qkv_w = torch.randn(heads * dim * (groups + 2), hidden).half()
+    cos, sin = torch.ones(dim), torch.zeros(dim)
+    keys, values = torch.zeros(heads * cap, dim), torch.zeros(heads * cap, dim)
+    rest = (torch.randn(hidden, heads * groups * dim).half(), torch.ones(hidden), 1e-5,
+            torch.randn(2 * inner, hidden).half(), torch.randn(hidden, inner).half())
+    nq = heads * groups * dim
+
+    def call(nq=nq, keys=keys, values=values, cap=cap, n=3):
+        return torch.ops.kvchat.layer(x, n1, 1e-5, qkv_w, None, cos, sin, nq, keys, values, cap, n, 0.25, *rest)
+
+    out, q, k, v, probs = call()
+    assert out.shape == x.shape and q.shape == (1, heads * groups, 1, dim) and probs.shape == (heads, groups, 4)
+    assert torch.equal(keys.view(heads, cap, dim)[:, 3], k[0, :, 0])  # written at slot 3 of each head
+    assert torch.equal(values.view(heads, cap, dim)[:, 3], v[0, :, 0])
+    with pytest.raises(RuntimeError, match="kvchat::layer: q/k/v outputs of whole heads, H \\* cap buffer rows"):
+        call(n=cap)  # no free slot
+    with pytest.raises(RuntimeError, match="kvchat::layer: q/k/v outputs of whole heads"):
+        call(cap=cap - 1)
+    with pytest.raises(RuntimeError, match="kvchat::layer: q/k/v outputs of whole heads"):
+        call(nq=nq - dim // 2)
+    with pytest.raises(RuntimeError, match="kvchat::layer: contiguous float32 CPU key and value buffers"):
+        call(keys=keys.double())
+    with pytest.raises(RuntimeError, match="kvchat::layer: contiguous float32 CPU key and value buffers"):
+        call(values=values[:, :dim - 1])
 
 
 def test_step_in_bf16_is_the_models(tokenizer):
