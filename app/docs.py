@@ -29,7 +29,7 @@ OTHER_FLAGS = (
     ("`--decode`", "auto",
      "`auto`: one-token steps of Llama-family models (Llama, Mistral, Qwen2) run in kvchat's step (`core/step.py`: the "
      "model's computation without transformers' per-module dispatch; with `--weights half` and a C++ compiler on "
-     "kvchat's operators, `core/kernels.py`: two calls per layer), other "
+     "kvchat's operators, `core/kernels.py`: one call per layer), other "
      "models through their forward; `compiled`: that step, every layer in one `torch.compile` graph (fp32 models on "
      "the CPU; a minute or two to compile the first time, seconds once inductor's cache has it; eager step if "
      "compiling fails); `model`: every step through the model's forward"),
