@@ -32,11 +32,13 @@ operators:
   where it made eight operator and kernel calls. Alternating with those in blocks of 8 tokens (ad hoc,
   ``streaming``, budget 1024, six replies of 96 tokens): 9.68-10.17 ms per token against 9.99-10.29;
 * ``kvchat::layer(x, n1, eps1, qkv_w, qkv_b, cos, sin, nq, keys, values, cap, n, scaling, o_w, n2, eps2, gu_w,
-  down_w) -> (x', q, k, v, probs)``: a whole layer of the eager step where every head of the cache layer has a free
-  slot n: ``project``, the new key and value written at slot n of each head of the layer's buffers ([heads * cap,
-  D], head after head), the queries times ``scaling`` and ``block`` over slots [0, n]; the eager step's Python
-  around its three parts (views, the cache write, the scaling) in C++. The bits of the three parts
-  (tests/test_step.py); not registered for ``torch.compile`` (the compiled step writes the cache inside its graph).
+  down_w, sums=None) -> (x', q, k, v, probs)``: a whole layer of the eager step where every head of the cache layer
+  has a free slot n: ``project``, the new key and value written at slot n of each head of the layer's buffers
+  ([heads * cap, D], head after head), the queries times ``scaling`` and ``block`` over slots [0, n], and with
+  ``sums`` (H2O's per-slot statistic) each slot's probability averaged over its head's queries added to it; the
+  eager step's Python around its three parts (views, the cache write, the scaling, H2O's sums) in C++. The bits of
+  the three parts (tests/test_step.py); not registered for ``torch.compile`` (the compiled step writes the cache
+  inside its graph).
 
 Attention reads each head's slots in place: a cache buffer's heads may lie any distance apart (the eager step hands
 the first n slots of each, a view), its rows of one head one after the other. It streams them in blocks of ``BLOCK``
@@ -490,12 +492,15 @@ std::tuple<at::Tensor, at::Tensor> block(const at::Tensor& q, const at::Tensor& 
 // written at slot n of each head of ``keys``/``values`` ([H * cap, D], head h's slots from row h * cap), then
 // ``block`` over each head's slots [0, n] with the queries times ``scaling``. Returns the layer's output, the queries
 // [1, H * G, 1, D] (rotated, unscaled), the new key and value [1, H, 1, D] (what the cache layer records besides) and
-// the attention probabilities [H, G, n + 1].
+// the attention probabilities [H, G, n + 1]. With ``sums`` (a per-slot statistic [H * cap], H2O's), each slot's
+// probability averaged over its head's G queries is added to it: ``sums.view(H, cap)[:, :n + 1] += probs.mean(1)``,
+// the same sums in the same order.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer(
     const at::Tensor& x, const at::Tensor& n1, double eps1, const at::Tensor& qkv_w,
     const c10::optional<at::Tensor>& qkv_b, const at::Tensor& cos, const at::Tensor& sin, int64_t nq,
     const at::Tensor& keys, const at::Tensor& values, int64_t cap, int64_t n, double scaling, const at::Tensor& o_w,
-    const at::Tensor& n2, double eps2, const at::Tensor& gu_w, const at::Tensor& down_w) {
+    const at::Tensor& n2, double eps2, const at::Tensor& gu_w, const at::Tensor& down_w,
+    const c10::optional<at::Tensor>& sums) {
   const int64_t N = qkv_w.dim() == 2 ? qkv_w.size(0) : 0, D = cos.numel();
   const int64_t nk = (N - nq) / 2, H = D > 0 ? nk / D : 0;
   TORCH_CHECK(keys.dim() == 2 && keys.sizes() == values.sizes() && keys.size(1) == D && keys.is_contiguous() &&
@@ -505,6 +510,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer(
   TORCH_CHECK(nq > 0 && nk > 0 && N == nq + 2 * nk && nk %% D == 0 && nq %% nk == 0 && cap > 0 &&
               keys.size(0) == H * cap && n >= 0 && n < cap,
               "kvchat::layer: q/k/v outputs of whole heads, H * cap buffer rows and a free slot n < cap");
+  TORCH_CHECK(!sums.has_value() || (sums->dim() == 1 && sums->size(0) == H * cap && sums->is_contiguous() &&
+                                    sums->scalar_type() == at::kFloat && sums->device().is_cpu()),
+              "kvchat::layer: sums as one contiguous float32 CPU value per buffer row");
   const at::Tensor qkv = project(x, n1, eps1, qkv_w, qkv_b, cos, sin, nq + nk).view({N});
   const float* src = qkv.data_ptr<float>();
   float *kp = keys.data_ptr<float>(), *vp = values.data_ptr<float>();
@@ -520,6 +528,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer(
   const at::Tensor k = keys.as_strided({H, n + 1, D}, {cap * D, D, 1});
   const at::Tensor v = values.as_strided({H, n + 1, D}, {cap * D, D, 1});
   auto out = block(qh, k, v, at::full({H}, n, qkv.options().dtype(at::kLong)), x, o_w, n2, eps2, gu_w, down_w);
+  if (sums.has_value()) {
+    const float* pp = std::get<1>(out).data_ptr<float>();
+    float* sp = sums->data_ptr<float>();
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t c = 0; c <= n; ++c) {
+        float acc = pp[h * G * (n + 1) + c];
+        for (int64_t g = 1; g < G; ++g) acc += pp[(h * G + g) * (n + 1) + c];
+        sp[h * cap + c] += acc / static_cast<float>(G);
+      }
+  }
   return {std::get<0>(out), qkv.narrow(0, 0, nq).view({1, H * G, 1, D}), qkv.narrow(0, nq, nk).view({1, H, 1, D}),
           qkv.narrow(0, nq + nk, nk).view({1, H, 1, D}), std::get<1>(out)};
 }
@@ -536,7 +554,7 @@ TORCH_LIBRARY(kvchat, m) {
         "Tensor down_w) -> (Tensor, Tensor)");
   m.def("layer(Tensor x, Tensor n1, float eps1, Tensor qkv_w, Tensor? qkv_b, Tensor cos, Tensor sin, int nq, "
         "Tensor(a!) keys, Tensor(b!) values, int cap, int n, float scaling, Tensor o_w, Tensor n2, float eps2, "
-        "Tensor gu_w, Tensor down_w) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor gu_w, Tensor down_w, Tensor(c!)? sums=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvchat, CPU, m) {

@@ -82,10 +82,20 @@ class KVLayer(CacheLayerMixin):
         used slot: the archive's copy, the tokens' positions, zeroed statistics; then every head holds q more. The
         compiled decode step (core/step.py) writes a token's key and value itself and calls this; the caller checked
         the room."""
-        q = key_states.shape[-2]
-        incoming = self._owner.incoming_abs
+        self.staged(key_states, value_states)
+        self.claim(key_states.shape[-2])
+
+    def staged(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The archive's copy of the keys and values ([1, heads, q, dim]) a forward appends to this layer."""
         if self._owner.archive is not None:
             self._owner.archive.stage(self.index, key_states, value_states)
+
+    def claim(self, q: int) -> None:
+        """The next q slots of every head taken for the tokens being appended: their positions recorded, their
+        statistics zeroed, every head holding q more (the caller writes their keys and values, and ``staged`` them;
+        the eager step's one-call layers claim the slot first, so that the call adds attention's sums to zeroed
+        statistics)."""
+        incoming = self._owner.incoming_abs
         if self.uniform:
             n = self.lens[0]
             self._slots(self.abs_pos, n, q).copy_(incoming)
@@ -103,7 +113,8 @@ class KVLayer(CacheLayerMixin):
     def free_slot(self) -> int | None:
         """The slot a one-token step writes in every head, when every head holds the same number of tokens in
         buffers of one capacity with room for one more (None otherwise: ``update`` starts, resizes or writes head by
-        head). A caller that writes the token's key and value there itself records them with ``appended``."""
+        head). A caller that writes the token's key and value there itself records them with ``appended`` (or with
+        ``claim`` before and ``staged`` after)."""
         lens, caps = self.lens, self.caps
         if not lens:
             return None

@@ -12,9 +12,9 @@ Two statistics, each only when the running policy asks for it:
   being written), so the question chooses what stays.
 
 Nothing N x N is kept. A decode step on the CPU costs, for ``acc``, the average of the probabilities attention
-itself computed (``probs``; elsewhere one [query heads x n] product per layer), and for ``window`` a reference to
-the query: decode steps' queries are copied into the window in one stack when it is read (a compression, a saved
-state, a ``mark``) or every ``obs_window`` steps.
+itself computed (``probs``; added inside kvchat's one-call layers, ``step_sums``; elsewhere one [query heads x n]
+product per layer), and for ``window`` a reference to the query: decode steps' queries are copied into the window
+in one stack when it is read (a compression, a saved state, a ``mark``) or every ``obs_window`` steps.
 """
 
 from __future__ import annotations
@@ -80,17 +80,24 @@ class Observer:
         return sum(t.numel() * t.element_size() for t in self._queries.values())
 
     def __call__(self, module, query: torch.Tensor, key, scaling: float | None,
-                 probs: list[torch.Tensor] | None = None) -> None:
+                 probs: list[torch.Tensor] | None = None, summed: bool = False) -> None:
         """``probs``: a decode step's attention probabilities as the attention function computed them ([KV heads,
-        groups, n], one entry per head for ragged heads), so ``acc`` needs no second pass over the keys."""
+        groups, n], one entry per head for ragged heads), so ``acc`` needs no second pass over the keys. ``summed``:
+        the step has added them to ``step_sums`` already."""
         layer_idx = module.layer_idx
         head_dim = query.shape[-1]
         scaling = scaling if scaling is not None else head_dim ** -0.5
         self._scaling[layer_idx] = scaling
         if self.window:
             self._remember(layer_idx, query)
-        if self.accumulate:
+        if self.accumulate and not summed:
             self._accumulate(self.cache.layers[layer_idx], query, key, scaling, probs)
+
+    def step_sums(self, layer) -> torch.Tensor | None:
+        """The per-slot statistic a decode step that computes attention's probabilities itself may add them to
+        (each slot's, averaged over its KV head's query heads, as ``_accumulate`` adds them), then calling this
+        observer with ``summed``: ``acc`` when this observer keeps it, else None."""
+        return layer.ensure_stat("acc") if self.accumulate else None
 
     def _remember(self, layer_idx: int, query: torch.Tensor) -> None:
         if query.shape[2] == 1:
@@ -119,6 +126,11 @@ class Observer:
         w = self.window
         take = new.shape[0]
         new, pos = new.float(), pos.float()
+        if take >= w:  # the new rows fill the window (TOVA's window of one, every step): nothing older stays
+            # (contiguous: a prefill's rows are a view of all its queries, which the window must not keep alive)
+            self._queries[layer_idx], self._qpos[layer_idx] = new[-w:].contiguous(), pos[-w:].contiguous()
+            self._count[layer_idx] = w
+            return
         buf = self._queries.get(layer_idx)
         if buf is None or buf.shape[1:] != new.shape[1:]:
             buf = torch.zeros(w, *new.shape[1:], device=new.device)

@@ -10,8 +10,9 @@ one token, in one of two ways:
   on the CPU with Llama's RMS norms and a SiLU MLP, and the operators build (a C++ compiler; once per machine): per
   layer one ``kvchat::layer`` call where every head of the cache layer has a free slot (``KVLayer.free_slot``: the
   norm, q/k/v as one product, their bias, the rotary embedding of q and k, the new key and value written into the
-  layer's buffers, attention over them in place, the output projection, the norm, the MLP), then the cache layer's
-  ``appended`` records the rest (positions, statistics, the archive); where a head has no free slot (the cache
+  layer's buffers, attention over them in place, the output projection, the norm, the MLP, and H2O's sums where the
+  observer keeps them, ``Observer.step_sums``), the cache layer having claimed the slot before (its position, zeroed
+  statistics: ``KVLayer.claim``) and staging the archive's copy after; where a head has no free slot (the cache
   resizes first) ``kvchat::project``, the cache layer's ``update`` and ``kvchat::block``, the same computation.
   ``kvchat::project`` then runs the output layer. Heads of different lengths (``headaware``) take the attention
   below and the operators for the products. The products widen the fp16 weights in registers and sum in fp32 with
@@ -32,11 +33,11 @@ tap and models dispatched by accelerate hooks run through the model's forward. `
 tests/test_step.py compares it with the model's forward for each supported family: without the operators the same
 logits bit for bit with the weights as loaded (fp32 or bf16), within 1e-5 with ``--weights half`` (one fp16 product
 for q/k/v instead of three may sum in another order); with them within the fp16 rounding above; the same greedy
-replies either way; ``kvchat::layer`` gives the bits of its three parts. On this project's machine the step without
-the operators saved 5-6 ms of a 30-32 ms step against the model's forward, the operators took the reply loop from
-about 22 to 12.4-14.1 ms per token (alternating with the step without them, ``streaming`` at budget 1024), and
-``kvchat::layer`` saved another 0.9-1.4 ms a token against its three parts (``streaming``; 1.6-2.5 ms for ``h2o``;
-README, Speed).
+replies either way; ``kvchat::layer`` gives the bits of its three parts and of the observer's H2O sums. On this
+project's machine the step without the operators saved 5-6 ms of a 30-32 ms step against the model's forward, the
+operators took the reply loop from about 22 to 12.4-14.1 ms per token (alternating with the step without them,
+``streaming`` at budget 1024), and ``kvchat::layer`` saved another 0.9-1.4 ms a token against its three parts
+(``streaming``; 1.6-2.5 ms for ``h2o``), and H2O's sums inside it 0.8-2.1 ms against the observer's (README, Speed).
 """
 
 from __future__ import annotations
@@ -296,15 +297,17 @@ class DecodeStep:
             nq, nk, _ = lay.split
             layer = cache.layers[i]
             n = layer.free_slot() if ops else None
-            if n is not None:  # the whole layer, its cache write included, in one operator call
+            if n is not None:  # the whole layer, its cache write (and H2O's sums) included, in one operator call
+                layer.claim(1)  # slot n: its position, zeroed statistics
+                sums = observer.step_sums(layer) if observer is not None else None
                 x, q, k, v, probs = torch.ops.kvchat.layer(x, lay.norm1.weight, lay.norm1.eps, lay.qkv.weight,
                                                            lay.qkv.bias, cos, sin, nq, layer.keys, layer.values,
                                                            layer.caps[0], n, lay.attn.scaling, lay.o.weight,
                                                            lay.norm2.weight, lay.norm2.eps, lay.gate_up.weight,
-                                                           lay.down.weight)
-                layer.appended(k, v)
+                                                           lay.down.weight, sums)
+                layer.staged(k, v)
                 if observer is not None:
-                    observer(lay.attn, q, layer.held(), lay.attn.scaling, probs=[probs])
+                    observer(lay.attn, q, layer.held(), lay.attn.scaling, probs=[probs], summed=sums is not None)
                 continue
             if ops:  # the norm, q/k/v and the rotary embedding of q and k in one operator call
                 qkv = torch.ops.kvchat.project(x, lay.norm1.weight, lay.norm1.eps, lay.qkv.weight, lay.qkv.bias, cos,

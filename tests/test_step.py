@@ -124,13 +124,21 @@ def test_layer_operator_refuses_bad_input():
             torch.randn(2 * inner, hidden).half(), torch.randn(hidden, inner).half())
     nq = heads * groups * dim
 
-    def call(nq=nq, keys=keys, values=values, cap=cap, n=3):
-        return torch.ops.kvchat.layer(x, n1, 1e-5, qkv_w, None, cos, sin, nq, keys, values, cap, n, 0.25, *rest)
+    def call(nq=nq, keys=keys, values=values, cap=cap, n=3, sums=None):
+        return torch.ops.kvchat.layer(x, n1, 1e-5, qkv_w, None, cos, sin, nq, keys, values, cap, n, 0.25, *rest,
+                                      sums)
 
     out, q, k, v, probs = call()
     assert out.shape == x.shape and q.shape == (1, heads * groups, 1, dim) and probs.shape == (heads, groups, 4)
     assert torch.equal(keys.view(heads, cap, dim)[:, 3], k[0, :, 0])  # written at slot 3 of each head
     assert torch.equal(values.view(heads, cap, dim)[:, 3], v[0, :, 0])
+    sums = torch.rand(heads * cap)
+    want = sums.clone()
+    out, q, k, v, probs = call(sums=sums)  # H2O's sums: each slot's probability averaged over its head's queries
+    want.view(heads, cap)[:, :4] += probs.mean(1)
+    assert torch.equal(sums, want)
+    with pytest.raises(RuntimeError, match="kvchat::layer: sums as one contiguous float32 CPU value per buffer row"):
+        call(sums=torch.zeros(heads * cap - 1))
     with pytest.raises(RuntimeError, match="kvchat::layer: q/k/v outputs of whole heads, H \\* cap buffer rows"):
         call(n=cap)  # no free slot
     with pytest.raises(RuntimeError, match="kvchat::layer: q/k/v outputs of whole heads"):
