@@ -14,7 +14,8 @@ Two statistics, each only when the running policy asks for it:
 Nothing N x N is kept. A decode step on the CPU costs, for ``acc``, the average of the probabilities attention
 itself computed (``probs``; added inside kvchat's one-call layers, ``step_sums``; elsewhere one [query heads x n]
 product per layer), and for ``window`` a reference to the query: decode steps' queries are copied into the window
-in one stack when it is read (a compression, a saved state, a ``mark``) or every ``obs_window`` steps.
+in one stack when it is read (a compression, a saved state, a ``mark``), the newest ``obs_window`` of them kept
+until then.
 """
 
 from __future__ import annotations
@@ -102,12 +103,13 @@ class Observer:
     def _remember(self, layer_idx: int, query: torch.Tensor) -> None:
         if query.shape[2] == 1:
             # A decode step: its query joins the window when the window is next read (a compression, a turn's
-            # saved state, a mark) or after ``window`` steps, all of them in one copy; until then it is kept as it
-            # is (attention creates the query anew every step and never writes into it).
+            # saved state, a mark), with the other pending ones in one copy; until then it is kept as it is
+            # (attention creates the query anew every step and never writes into it). Only the newest ``window``
+            # can still be in the window by then: older ones are dropped, not copied in and pushed out again.
             steps = self._pending.setdefault(layer_idx, [])
             steps.append((query, self.positions))
-            if len(steps) >= self.window:
-                self._flush(layer_idx)
+            if len(steps) > self.window:
+                del steps[0]
             return
         self._flush(layer_idx)
         take = min(query.shape[2], self.window)

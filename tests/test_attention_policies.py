@@ -245,20 +245,32 @@ def test_switching_live_through_every_policy(tiny):
     assert session.stats()["policy"] == "headaware"
 
 
-def test_observer_window_holds_the_latest_queries_exactly(tiny, monkeypatch):
+@pytest.mark.parametrize("held", ["model", "operators"])
+def test_observer_window_holds_the_latest_queries_exactly(held, tiny, tokenizer, monkeypatch):
     """Decode steps' queries join the window lazily (core/observe.py): what a compression, a saved state or a mark
-    reads is exactly the last ``obs_window`` query rows seen, and a mark's restore forgets the rows after it."""
+    reads is exactly the last ``obs_window`` query rows seen, and a mark's restore forgets the rows after it; with the
+    weights as loaded and on kvchat's operators (one call per layer, core/step.py)."""
+    from kvchat.core import weights
+    from kvchat.core.models import ChatModel
     from kvchat.core.observe import Observer
+    from tinymodels import build_tiny
+
+    model = tiny("llama")
+    if held == "operators":
+        built = build_tiny("llama", tokenizer)
+        weights.apply(built, "half")
+        model = ChatModel.from_pretrained_model(built, tokenizer, name="tiny-llama-ops")
+        assert model.step.without_ops is None
 
     seen: dict[int, list] = {}
     call = Observer.__call__
 
-    def spy(self, module, query, key, scaling, probs=None):
+    def spy(self, module, query, key, scaling, probs=None, **kwargs):
         seen.setdefault(module.layer_idx, []).append((query[0].transpose(0, 1).clone(), self.positions.clone()))
-        return call(self, module, query, key, scaling, probs)
+        return call(self, module, query, key, scaling, probs, **kwargs)
 
     monkeypatch.setattr(Observer, "__call__", spy)
-    session = Session(tiny("llama"), Settings(policy="snapkv", budget=400, params={"obs_window": 8}),
+    session = Session(model, Settings(policy="snapkv", budget=400, params={"obs_window": 8}),
                       sampling=Sampling(max_new_tokens=12, temperature=0.0))
     session.chat("Tell me about the sea and its ships.")  # a prefill, then decode steps
 
