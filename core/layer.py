@@ -123,7 +123,7 @@ class KVLayer(CacheLayerMixin):
             return None
         return n
 
-    def held(self) -> torch.Tensor:
+    def held_keys(self) -> torch.Tensor:
         """The keys of a layer whose heads hold equally many in buffers of one capacity, [1, heads, n, dim] (a view;
         what ``update`` returns)."""
         return self.keys.view(self.heads, self.caps[0], -1)[None, :, : self.lens[0]]

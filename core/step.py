@@ -307,7 +307,7 @@ class DecodeStep:
                                                            lay.down.weight, sums)
                 layer.staged(k, v)
                 if observer is not None:
-                    observer(lay.attn, q, layer.held(), lay.attn.scaling, probs=[probs], summed=sums is not None)
+                    observer(lay.attn, q, layer.held_keys(), lay.attn.scaling, probs=[probs], summed=sums is not None)
                 continue
             if ops:  # the norm, q/k/v and the rotary embedding of q and k in one operator call
                 qkv = torch.ops.kvchat.project(x, lay.norm1.weight, lay.norm1.eps, lay.qkv.weight, lay.qkv.bias, cos,
