@@ -198,10 +198,10 @@ class DecodeStep:
         self.without_ops: str | None = self._operators(model)
 
     def _operators(self, model: nn.Module) -> str | None:
-        """Whether every layer can run on kvchat's operators (core/kernels.py: ``project`` for the norm, q/k/v and
-        the rotary embedding, ``block`` for the rest of a layer, ``project`` for the output layer), building them
-        if need be (once per machine): None if so, else why not. They need the fp16 copies of ``--weights half``
-        (with the layers' norms as Llama's, in fp32 on the CPU) and a C++ compiler."""
+        """Whether every layer can run on kvchat's operators (core/kernels.py: ``layer`` for a whole layer, or
+        ``project`` and ``block`` around the cache layer's ``update`` where it must resize first; ``project`` for the
+        output layer), building them if need be (once per machine): None if so, else why not. They need the fp16
+        copies of ``--weights half`` (with the layers' norms as Llama's, in fp32 on the CPU) and a C++ compiler."""
         why = _fp32_llama(model)
         if why is not None:
             return why
