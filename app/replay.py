@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..core.session import Session, TurnResult, check_text, peak_rss_mb
+from ..core.engine.session import Session, TurnResult, check_text, peak_rss_mb
 
 
 class ScriptError(ValueError):

@@ -11,9 +11,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from ..core.models import ChatModel
-from ..core.session import Sampling, Session
-from ..core.settings import Settings
+from ..core.model.loading import ChatModel
+from ..core.engine.session import Sampling, Session
+from ..core.engine.settings import Settings
 from ..storage.db import Store
 
 

@@ -1,6 +1,6 @@
 """What the web UI draws: charts of the cache over the conversation, and the conversation as the cache holds it.
 
-Everything here reads a session through its locked read methods (``core/reading.py``) and the store; nothing
+Everything here reads a session through its locked read methods (``core/engine/reading.py``) and the store; nothing
 changes them.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..core.session import Session
+from ..core.engine.session import Session
 from ..policies import POLICIES
 from ..storage.db import Store
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..core.session import Session
-from ..core.settings import Sampling, Settings
+from ..core.engine.session import Session
+from ..core.engine.settings import Sampling, Settings
 from .common import Run, data_dir, log
 
 NAME = "chat"

@@ -16,8 +16,9 @@ import json
 import sys
 from pathlib import Path
 
-from ..core.step import DECODE, CompiledStep
-from ..core.weights import WEIGHTS
+from ..core.decode.compiled import CompiledStep
+from ..core.decode.parts import DECODE
+from ..core.decode.weights import WEIGHTS
 from ..policies import POLICIES
 
 ORDER = ("ppl", "recall", "speed", "memory", "headaware", "kvpress", "chat", "durability")
@@ -65,7 +66,7 @@ def output_dir(args) -> Path:
     if args.out is not None:
         return Path(args.out)
     if getattr(args, "quick", False):
-        from ..core.models import kvchat_home
+        from ..core.model.loading import kvchat_home
 
         return kvchat_home() / QUICK_DIR
     return Path(DOCS)

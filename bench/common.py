@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..app.cli import load_model  # noqa: F401  (the one model loader, shared with the CLI)
+from ..core.model.loading import load_model  # noqa: F401  (the one model loader, shared with the CLI)
 
 #: ../shared/data beside the repository (override with --data or KVCHAT_DATA).
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

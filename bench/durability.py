@@ -21,10 +21,10 @@ from unittest import mock
 
 import torch
 
-from ..core import persist
-from ..core.archive import Archive
-from ..core.session import Sampling, Session
-from ..core.settings import Settings
+from ..core.engine import persist
+from ..storage.archive import Archive
+from ..core.engine.session import Sampling, Session
+from ..core.engine.settings import Settings
 from ..storage.db import Store
 from .common import Run, data_dir, log
 

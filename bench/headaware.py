@@ -17,7 +17,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from ..core.settings import Settings
+from ..core.engine.settings import Settings
 from ..storage.db import Store
 from . import ppl as ppl_bench
 from . import recall as recall_bench

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from ..core import models
-from ..core.session import Session
-from ..core.settings import Settings
+from ..core.model import loading as models
+from ..core.engine.session import Session
+from ..core.engine.settings import Settings
 from .common import Run, data_dir, log, read_text
 
 NAME = "kvpress"

@@ -22,8 +22,8 @@ import gc
 import tempfile
 from pathlib import Path
 
-from ..core.session import Session, rss_mb
-from ..core.settings import Settings
+from ..core.engine.session import Session, rss_mb
+from ..core.engine.settings import Settings
 from ..storage.db import Store
 from .common import Run, data_dir, fastchat_pairs, log, read_text, save_figure
 

@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from ..core.session import Session
-from ..core.settings import Settings
+from ..core.engine.session import Session
+from ..core.engine.settings import Settings
 from ..policies import POLICIES
 from .common import Run, SanityError, data_dir, log, read_text, save_figure
 

@@ -32,10 +32,12 @@ from unittest import mock
 
 import torch
 
-from ..core import recall as recall_engine
-from ..core.recall import COARSE_DTYPE, QUERY_ROWS, REPS, choose, coarse_index, relevance, scoring_layers
-from ..core.session import Sampling, Session
-from ..core.settings import Settings
+from ..core.recall import choose as recall_engine
+from ..core.recall.choose import choose
+from ..core.recall.digest import REPS
+from ..core.recall.score import COARSE_DTYPE, QUERY_ROWS, coarse_index, relevance, scoring_layers
+from ..core.engine.session import Sampling, Session
+from ..core.engine.settings import Settings
 from ..policies import POLICIES
 from ..storage.db import Store
 from .common import Run, data_dir, log, save_figure

@@ -21,7 +21,7 @@ _KINDS = {int: "a whole number", float: "a finite number", bool: "true or false"
 
 @dataclass(frozen=True)
 class Param:
-    """A declared setting: a policy's parameter, or one of the engine's (core/settings.py).
+    """A declared setting: a policy's parameter, or one of the engine's (core/engine/settings.py).
 
     The CLI flags, the chat's /set help, the web UI's settings panel, ``kvchat policies`` and the README's tables
     are generated from these declarations."""
@@ -121,7 +121,7 @@ class Policy:
     #: True when scores depend only on positions (same for every layer and head): scored once per compression.
     layer_independent: ClassVar[bool] = False
     #: Attention statistics the policy reads: "acc" (attention each slot received so far) and/or "window"
-    #: (attention of the last ``obs_window`` queries at compression time). See core/observe.py.
+    #: (attention of the last ``obs_window`` queries at compression time). See core/cache/observe.py.
     observes: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, **values: Any):

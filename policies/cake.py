@@ -10,7 +10,7 @@ tokens are ranked by CAKE's indicator, mean + gamma * variance of the attention 
 
 import torch
 
-from . import register
+from .registry import register
 from .base import OBS_WINDOW, Param, Policy, split_budget
 
 

@@ -1,6 +1,6 @@
 """full: never evicts. The reference every other policy is compared with; stops before the model's max positions."""
 
-from . import register
+from .registry import register
 from .base import Policy
 
 

@@ -10,7 +10,7 @@ reference code only masks them).
 
 import torch
 
-from . import register
+from .registry import register
 from .base import Param, Policy
 
 

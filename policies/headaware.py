@@ -23,7 +23,7 @@ the seed text) and every one is a parameter.
 
 import torch
 
-from . import register
+from .registry import register
 from .base import OBS_WINDOW, Param, Policy, split_budget
 
 CLASSES = ("retrieval", "induction", "local")

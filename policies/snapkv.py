@@ -8,7 +8,7 @@ engine). In a chat the question chooses what stays.
 
 import torch.nn.functional as F
 
-from . import register
+from .registry import register
 from .base import OBS_WINDOW, Param, Policy
 
 

@@ -4,7 +4,7 @@ The sink (the first ``--sink`` tokens) and the system prompt are protected by th
 "newer is better", so the rest of the budget is the most recent window.
 """
 
-from . import register
+from .registry import register
 from .base import Policy
 
 

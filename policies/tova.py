@@ -4,7 +4,7 @@ At each compression the newest query's attention over the cache, averaged over t
 token, so every head of a layer keeps the same tokens.
 """
 
-from . import register
+from .registry import register
 from .base import Policy
 
 

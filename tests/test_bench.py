@@ -9,7 +9,7 @@ import pytest
 from kvchat.app.cli import main
 from kvchat.bench import cli as bench_cli
 
-from helpers import REPO, SHARED
+from helpers import REPO, data_file
 
 
 def _exit_code(argv):
@@ -82,7 +82,7 @@ def test_quick_run_without_out_leaves_the_committed_results_alone(default_dir, t
     assert any(p.parts[0] == "results" for p in before) and "RESULTS.md" in {str(p) for p in before}
     monkeypatch.chdir(work)
     monkeypatch.setenv("KVCHAT_HOME", str(home))
-    monkeypatch.setenv("KVCHAT_DATA", str(SHARED))
+    monkeypatch.setenv("KVCHAT_DATA", str(data_file()))
     # The cheapest bench, smaller still: enough turns to fill a small cache.
     code = main(["bench", "memory", "--quick", "--turns", "12", "--budget", "64", "--model", str(default_dir)])
     err = capsys.readouterr().err
@@ -109,7 +109,7 @@ def test_slope_and_segment_ppl():
 @pytest.mark.model
 @pytest.mark.slow
 def test_quick_benches_write_json_plots_and_report(default_dir, tmp_path, capsys, monkeypatch):
-    monkeypatch.setenv("KVCHAT_DATA", str(SHARED))
+    monkeypatch.setenv("KVCHAT_DATA", str(data_file()))
     code = main(["bench", "all", "--quick", "--json", "--out", str(tmp_path)])
     out, err = capsys.readouterr()
     assert code == 0, err[-2000:]

@@ -12,7 +12,7 @@ from kvchat.app.replay import ScriptError, load_scripts
 from kvchat.storage.db import Store
 from tinymodels import build_tiny
 
-from helpers import SHARED
+from helpers import data_file
 
 SCRIPT = [
     {"system": "You are terse."},
@@ -84,7 +84,7 @@ def test_several_scripts_one_model_load(model_dir, tmp_path, capsys):
 
 def test_decode_through_the_model_replays_the_same_chat(model_dir, tmp_path, capsys, monkeypatch):
     """--decode model (every step through the model's forward) and the default step give the same greedy replies."""
-    from kvchat.core.step import DecodeStep
+    from kvchat.core.decode.eager import DecodeStep
 
     steps = []
     step = DecodeStep.__call__
@@ -195,9 +195,9 @@ def test_console_script_is_installed():
 
 
 def test_sharegpt_and_mt_bench_formats(tmp_path):
-    mt = load_scripts(SHARED / "streaming-llm" / "mt_bench.jsonl")
+    mt = load_scripts(data_file("streaming-llm", "mt_bench.jsonl"))
     assert len(mt) == 1 and len(mt[0].steps) == 158 and all(s.kind == "reply" for s in mt[0].steps)
-    convs = load_scripts(SHARED / "fastchat" / "dummy_conversation.json")
+    convs = load_scripts(data_file("fastchat", "dummy_conversation.json"))
     assert len(convs) == 500 and convs[0].steps[0].kind == "exchange"
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"conversations": [{"from": "alien", "value": "x"}]}))
@@ -225,7 +225,7 @@ def param_policy():
 
 
 def test_policy_parameters_become_flags(param_policy, model_dir, tmp_path, capsys):
-    from kvchat.app.cli import build_parser, settings_from_args
+    from kvchat.app.args import build_parser, settings_from_args
 
     args = build_parser().parse_args(["replay", "x.jsonl", "--policy", "oldest-test", "--keep-bias", "2.5",
                                       "--budget", "256"])
@@ -245,7 +245,7 @@ def test_policy_parameters_become_flags(param_policy, model_dir, tmp_path, capsy
 
 
 def test_help_shows_each_value_kind_and_default(capsys):
-    from kvchat.app.cli import build_parser
+    from kvchat.app.args import build_parser
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["replay", "--help"])
@@ -259,8 +259,8 @@ def test_help_shows_each_value_kind_and_default(capsys):
 
 
 def test_sampling_flags_are_left_to_the_model_unless_given():
-    from kvchat.app.cli import build_parser, sampling_from_args, settings_from_args
-    from kvchat.core.settings import Sampling, Settings
+    from kvchat.app.args import build_parser, sampling_from_args, settings_from_args
+    from kvchat.core.engine.settings import Sampling, Settings
 
     args = build_parser().parse_args(["chat"])
     assert sampling_from_args(args) == {} and settings_from_args(args) == Settings()
@@ -279,9 +279,9 @@ def test_sampling_flags_are_left_to_the_model_unless_given():
 
 
 def test_chat_set_changes_cache_and_sampling_settings(tiny, capsys):
-    from kvchat.app.cli import CHAT_HELP, _chat_command
-    from kvchat.core.session import Session
-    from kvchat.core.settings import CACHE_SETTINGS, SAMPLING_SETTINGS, Settings
+    from kvchat.app.terminal import CHAT_HELP, _chat_command
+    from kvchat.core.engine.session import Session
+    from kvchat.core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS, Settings
 
     for p in (*CACHE_SETTINGS, *SAMPLING_SETTINGS):
         assert f"  {p.name}={p.kind}" in CHAT_HELP

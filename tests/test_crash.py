@@ -16,9 +16,9 @@ import torch
 
 from kvchat.app.cli import main
 from kvchat.app.replay import load_scripts, run_step
-from kvchat.core import models
-from kvchat.core.session import Sampling, Session
-from kvchat.core.settings import Settings
+from kvchat.core.model import loading as models
+from kvchat.core.engine.session import Sampling, Session
+from kvchat.core.engine.settings import Settings
 from kvchat.storage.db import Store
 
 FLAGS = ["--policy", "h2o", "--budget", "48", "--window", "8", "--slack", "6", "--groups", "sentence",

@@ -5,10 +5,10 @@ import json
 import pytest
 import torch
 
-from kvchat.core.session import Sampling, Session
-from kvchat.core.settings import Settings
+from kvchat.core.engine.session import Sampling, Session
+from kvchat.core.engine.settings import Settings
 
-from helpers import SHARED
+from helpers import data_file
 
 pytestmark = pytest.mark.model
 
@@ -32,7 +32,7 @@ def test_budget_larger_than_chat_gives_full_cache_replies(smol, positions):
 
 
 def _filler(n):
-    convs = json.loads((SHARED / "fastchat" / "dummy_conversation.json").read_text())
+    convs = json.loads(data_file("fastchat", "dummy_conversation.json").read_text())
     pairs = [(c["conversations"][0]["value"], c["conversations"][1]["value"]) for c in convs
              if len(c["conversations"]) >= 2 and c["conversations"][0]["from"] == "human"]
     return pairs[:n]
@@ -71,7 +71,7 @@ def test_endless_chat_stays_bounded_and_positions_stay_small(smol):
 
     session.model.model.forward = spy
     try:
-        turns = [json.loads(line)["turns"][0] for line in (SHARED / "streaming-llm" / "mt_bench.jsonl")
+        turns = [json.loads(line)["turns"][0] for line in data_file("streaming-llm", "mt_bench.jsonl")
                  .read_text().splitlines()[:12]]
         results = [session.chat(q) for q in turns]
     finally:

@@ -5,8 +5,8 @@ read back."""
 import pytest
 import torch
 
-from kvchat.core.session import Sampling, Session
-from kvchat.core.settings import Settings
+from kvchat.core.engine.session import Sampling, Session
+from kvchat.core.engine.settings import Settings
 from kvchat.storage.db import Store
 
 GREEDY = Sampling(max_new_tokens=12, temperature=0.0)
@@ -57,7 +57,7 @@ def test_every_turn_reopens_with_the_exact_cache(tiny, tmp_path, policy, positio
 
 @pytest.mark.parametrize("recall", ["off", "on"])
 def test_a_crash_mid_turn_reopens_the_last_committed_turn(tiny, tmp_path, recall, monkeypatch):
-    monkeypatch.setattr("kvchat.core.recall.HELD_QUANTILE", 0.0)  # random weights: recall whatever scores best
+    monkeypatch.setattr("kvchat.core.recall.choose.HELD_QUANTILE", 0.0)  # random weights: recall whatever scores best
     model = tiny("qwen2")
     settings = Settings(policy="h2o", budget=40, window=8, slack=6, recall=recall, recall_tokens=24)
     live = Session(model, settings, store=Store(tmp_path / "kv.db"), sampling=GREEDY)

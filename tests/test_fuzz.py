@@ -20,8 +20,8 @@ import pytest
 from kvchat.app.cli import main
 from kvchat.app.replay import ScriptError, load_scripts
 from kvchat.app.sessions import SessionManager
-from kvchat.core.session import Sampling, Session
-from kvchat.core.settings import CACHE_SETTINGS, SAMPLING_SETTINGS, Settings
+from kvchat.core.engine.session import Sampling, Session
+from kvchat.core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS, Settings
 from kvchat.storage.db import Store, StoreError
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning:gradio.helpers")  # gr.Warning outside a request
@@ -586,7 +586,7 @@ def test_database_locked_by_another_writer(tiny, engine_db):
 def test_disk_full(where, model_dir, tmp_path, capsys, monkeypatch):
     """The second turn's write fails with ENOSPC: one line, exit 2; the first turn is intact, reopens exactly, and
     --resume goes on from it."""
-    from kvchat.core.archive import Archive
+    from kvchat.storage.archive import Archive
 
     db = tmp_path / "kv.db"
     script = _write(tmp_path / "s.jsonl", GOOD + [{"user": "And again?"}])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvchat.core.groups import ends_group, select_keep, sentence_ids
+from kvchat.core.cache.groups import ends_group, select_keep, sentence_ids
 
 
 def test_sentence_boundaries():

@@ -4,8 +4,9 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig
 
-from kvchat.core.cache import KVCache
-from kvchat.core.positions import Rotary
+from kvchat.core.cache.kvcache import KVCache
+from kvchat.core.cache.positions import Rotary
+from kvchat.core.model.loading import cache_argument
 
 from tinymodels import ROPE_ARCHS, build_tiny
 
@@ -18,7 +19,7 @@ def _keys_at(model, token: int, position: int) -> list[torch.Tensor]:
     """
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]), past_key_values=cache,
+        model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]), **{cache_argument(model): cache},
               use_cache=True)
     return [layer.keys[0, :, 0].clone() for layer in cache.layers]
 

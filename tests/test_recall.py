@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import SHARED
-from kvchat.core.session import Sampling, Session
-from kvchat.core.settings import Settings
+from helpers import data_file
+from kvchat.core.engine.session import Sampling, Session
+from kvchat.core.engine.settings import Settings
 from kvchat.storage.db import Store
 from test_durability import TURNS, assert_same_cache
 
@@ -75,7 +75,7 @@ def test_recalled_tokens_are_kept_through_the_replys_first_compression_then_the_
                                                                                                monkeypatch):
     """After the message is read again, the reply's first compression still keeps every recalled position in every
     layer and head and ends their protection; ``streaming`` then evicts them (old positions) at a later one."""
-    from kvchat.core import compress
+    from kvchat.core.cache import compress
 
     session = Session(tiny("llama"), _settings(), store=Store(tmp_path / "g.db"),
                       sampling=Sampling(max_new_tokens=40, temperature=0.0))
@@ -116,7 +116,7 @@ def test_recalled_keys_are_the_archived_keys_at_their_new_positions(tiny, tmp_pa
 
 
 def test_a_recall_turn_reopens_exactly(tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr("kvchat.core.recall.HELD_QUANTILE", 0.0)  # random weights: recall whatever scores best
+    monkeypatch.setattr("kvchat.core.recall.choose.HELD_QUANTILE", 0.0)  # random weights: recall whatever scores best
     model = tiny("qwen2")
     live = Session(model, _settings(policy="snapkv"), store=Store(tmp_path / "d.db"), sampling=GREEDY)
     for user, reply in TURNS * 2:
@@ -136,7 +136,7 @@ def test_forgetting_a_read_message_by_its_mark_equals_the_whole_checkpoint(tiny,
     """Recall reads a user message for its queries, then forgets the read before the put-back: by a ``ReadMark``
     when the message fits the free slots, else by a ``Checkpoint`` of the whole cache. Both leave the same
     session: the same cache, statistics, observer window and replies."""
-    from kvchat.core.checkpoint import ReadMark
+    from kvchat.core.engine.checkpoint import ReadMark
 
     restored = []
     restore = ReadMark.restore
@@ -210,7 +210,7 @@ def test_bad_recall_settings_are_refused(tiny, bad):
 
 
 def _filler(n):
-    convs = json.loads((SHARED / "fastchat" / "dummy_conversation.json").read_text())
+    convs = json.loads(data_file("fastchat", "dummy_conversation.json").read_text())
     return [(c["conversations"][0]["value"], c["conversations"][1]["value"]) for c in convs
             if len(c["conversations"]) >= 2 and c["conversations"][0]["from"] == "human"][:n]
 
@@ -242,20 +242,20 @@ def test_an_evicted_fact_comes_back_for_a_question_in_other_words(smol, tmp_path
 def test_relevance_finds_the_group_the_queries_point_at(monkeypatch, candidates):
     """Scored in full, or through the coarse pass that picks candidates past ``CANDIDATES`` groups, the group whose
     keys the queries point at ranks first; groups the coarse pass leaves out score 0."""
-    from kvchat.core import recall
+    from kvchat.core.recall import digest, score
 
-    monkeypatch.setattr(recall, "CANDIDATES", candidates)
+    monkeypatch.setattr(score, "CANDIDATES", candidates)
     gen = torch.Generator().manual_seed(0)
     layers, groups, heads, dim = [2, 4, 6, 8], 2000, 2, 16
-    digests = torch.randn(groups, len(layers), heads, recall.REPS, dim, generator=gen)
+    digests = torch.randn(groups, len(layers), heads, digest.REPS, dim, generator=gen)
     queries = {li: torch.randn(2 * heads, 5, dim, generator=gen) for li in layers}
     target = 1234
     for si, li in enumerate(layers):  # the target's largest key points where the queries of its KV head point
         direction = queries[li].view(heads, -1, dim).mean(1)
         digests[target, si, :, 0] = 4 * direction / direction.norm(dim=-1, keepdim=True) * dim ** 0.5
     digests = digests.half()
-    coarse = digests[:, recall.coarse_index(layers), :, 0].permute(1, 2, 0, 3).contiguous()
-    rel = recall.relevance(digests.numpy(), coarse, layers, queries, {})
+    coarse = digests[:, score.coarse_index(layers), :, 0].permute(1, 2, 0, 3).contiguous()
+    rel = score.relevance(digests.numpy(), coarse, layers, queries, {})
     assert rel.argmax() == target
     assert (rel == 0).sum() == (groups - candidates if candidates < groups else 0)
 
@@ -264,11 +264,11 @@ def test_scores_equal_the_attention_shares_they_stand_for():
     """``score``: per layer the softmax over groups of each query row's best representative logit, its largest
     value over rows and query heads, the mean over layers; computed here the plain way (fp32, loops), it agrees
     (to bf16's precision where the CPU multiplies in bf16)."""
-    from kvchat.core import recall
+    from kvchat.core.recall import digest, score
 
     gen = torch.Generator().manual_seed(1)
     layers, groups, heads, qheads, dim = [1, 3, 5], 40, 2, 4, 16
-    digests = torch.randn(groups, len(layers), heads, recall.REPS, dim, generator=gen).half()
+    digests = torch.randn(groups, len(layers), heads, digest.REPS, dim, generator=gen).half()
     queries = {li: torch.randn(qheads, 7, dim, generator=gen) for li in layers}
     expected = torch.zeros(groups)
     for si, li in enumerate(layers):
@@ -278,8 +278,8 @@ def test_scores_equal_the_attention_shares_they_stand_for():
             logits = torch.einsum("rd,gkd->rgk", queries[li][qh], digests[:, si, kv].float()).amax(-1) * dim ** -0.5
             best = torch.maximum(best, logits.softmax(-1).amax(0))
         expected += best / len(layers)
-    got = recall.score(digests, layers, queries, {})
-    assert torch.allclose(got, expected, atol=3e-3 if recall.FULL_DTYPE == torch.bfloat16 else 1e-6)
+    got = score.score(digests, layers, queries, {})
+    assert torch.allclose(got, expected, atol=3e-3 if score.FULL_DTYPE == torch.bfloat16 else 1e-6)
     assert got.argmax() == expected.argmax()
 
 
@@ -287,7 +287,7 @@ def test_digests_stand_for_a_group_by_its_content_tokens(tiny, tmp_path):
     """A group's representative keys are its largest-norm keys among its tokens that are not template scaffolding
     (role headers and end markers draw attention from any message); a group of scaffolding alone is represented by
     its own."""
-    from kvchat.core import recall
+    from kvchat.core.recall import digest
 
     session = Session(tiny("llama"), _settings(recall="off"), store=Store(tmp_path / "d.db"), sampling=GREEDY)
     _chat(session, rounds=1)
@@ -303,7 +303,7 @@ def test_digests_stand_for_a_group_by_its_content_tokens(tiny, tmp_path):
             for h in range(digests.layout[0]):
                 keys, _, computed = archive.keys_values(li, own[None], [h])
                 keys = rotary.rotate(keys.float(), -computed.long())[0]
-                best = keys[keys.norm(dim=-1).topk(min(recall.REPS, own.numel())).indices].half()
+                best = keys[keys.norm(dim=-1).topk(min(digest.REPS, own.numel())).indices].half()
                 reps = torch.from_numpy(np.array(stored[g, si, h]))
                 assert torch.equal(reps[: best.shape[0]], best)
     assert mixed > 0, "some groups hold a role header and content"
@@ -314,7 +314,7 @@ def test_digests_written_a_block_at_a_time_equal_those_written_at_once(tiny, tmp
     the digests are the same."""
     files = {}
     for block in (100_000, 20):  # 20: longer than any group here, shorter than a turn
-        monkeypatch.setattr("kvchat.core.recall.BLOCK", block)
+        monkeypatch.setattr("kvchat.core.recall.digest.BLOCK", block)
         session = Session(tiny("llama"), _settings(recall="off"), store=Store(tmp_path / f"{block}.db"),
                           sampling=GREEDY)
         _chat(session, rounds=1)
@@ -326,7 +326,7 @@ def test_digests_written_a_block_at_a_time_equal_those_written_at_once(tiny, tmp
 def test_coarse_keys_kept_in_memory_follow_the_file_through_adds_and_undo(tiny, tmp_path):
     """Once recall has read the coarse keys they stay in memory (in ``COARSE_DTYPE``) and are extended as turns
     close; after an undo (the digests truncated) and more turns they still equal what coarse.bin holds."""
-    from kvchat.core.recall import COARSE_DTYPE
+    from kvchat.core.recall.score import COARSE_DTYPE
 
     session = Session(tiny("llama"), _settings(recall="off"), store=Store(tmp_path / "c.db"), sampling=GREEDY,
                       undo=True)
@@ -350,12 +350,13 @@ def test_group_shares_and_content_follow_the_chat_through_undo(tiny, tmp_path):
     """What ``choose`` reads per group: the share of its slots the cache holds (counted from the cache's slots)
     equals the mean over its positions of the held fraction, and whether it holds more than scaffolding (kept in
     memory between messages) equals a fresh reading of the token log, also after an undo rewrote the last turn."""
-    from kvchat.core import recall
+    from kvchat.core.model.template import scaffolding
+    from kvchat.core.recall import choose
 
     session = Session(tiny("llama"), _settings(policy="h2o"), store=Store(tmp_path / "g.db"), sampling=GREEDY,
                       undo=True)
     digests = session.archive.digests
-    session.model.scaffolding = recall.scaffolding(session.model)
+    session.model.scaffolding = scaffolding(session.model.chat, session.model.tokenizer)
     for step, (user, reply) in enumerate(TURNS * 2):
         if step == 5:
             session.undo()
@@ -363,7 +364,7 @@ def test_group_shares_and_content_follow_the_chat_through_undo(tiny, tmp_path):
         spans = digests.read()[0]
         held = session.held_fraction()
         expected = torch.stack([held[a:b].mean() for a, b in spans.tolist()])
-        assert torch.allclose(recall.held_share(session.cache, spans), expected, atol=1e-6)
+        assert torch.allclose(choose.held_share(session.cache, spans), expected, atol=1e-6)
         assert 0 < int((expected < 0.5).sum()) < spans.shape[0] or step < 2
         content = ~torch.isin(session.log.column("token").long(), session.model.scaffolding)
         fresh = torch.tensor([bool(content[a:b].any()) for a, b in spans.tolist()])
@@ -375,7 +376,7 @@ def test_a_recalled_sentence_comes_with_its_scaffolding_and_the_next_sentence_of
     """``choose``: the best evicted group comes back with the scaffolding groups right around it and the next
     sentence of the same message (which completes "My dentist is called Dr." with the name); a held neighbour, a
     neighbour from another message, or one that does not fit the limit stays out."""
-    from kvchat.core.recall import choose
+    from kvchat.core.recall.choose import choose
 
     # groups: 0 header | 1 "My dentist is called Dr." | 2 "Petrov." | 3 end marker | 4 next message | 5 held
     spans = torch.tensor([[0, 3], [3, 9], [9, 12], [12, 14], [14, 20], [20, 26]])
@@ -398,7 +399,7 @@ def test_put_back_slots_of_all_layers_at_once(policy, tiny):
     """``slots_of`` (every layer's heads as rows of one computation) gives each head its kept positions and the
     brought ones it lacks, in order, with its kept slots' statistics and, for a brought slot, the lower median of
     them (0 when it keeps none) — as a plain loop over heads computes them; the same per layer as alone."""
-    from kvchat.core.rebuild import slots_of
+    from kvchat.core.cache.rebuild import slots_of
 
     session = Session(tiny("llama"), _settings(policy=policy, budget=40), system=None)
     session.feed_raw(list(range(20, 120)), score=False)

@@ -5,10 +5,10 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from kvchat.core.models import ChatModel
-from kvchat.core.sampling import Sampler, logits_processors
-from kvchat.core.session import Session
-from kvchat.core.settings import Sampling, Settings
+from kvchat.core.model.loading import ChatModel
+from kvchat.core.engine.sampling import Sampler, logits_processors
+from kvchat.core.engine.session import Session
+from kvchat.core.engine.settings import Sampling, Settings
 
 
 def _logits(best: int, second: int, vocab: int = 10) -> torch.Tensor:

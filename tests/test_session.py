@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kvchat.core.session import ContextFullError, Sampling, Session
-from kvchat.core.settings import Settings
+from kvchat.core.engine.session import ContextFullError, Sampling, Session
+from kvchat.core.engine.settings import Settings
 from tinymodels import TINY_CONFIGS
 
 GREEDY = Sampling(max_new_tokens=6, temperature=0.0)

@@ -1,4 +1,4 @@
-"""The one-token decode step (core/step.py) computes what the model's forward computes, on kvchat's cache."""
+"""The one-token decode step (core/decode) computes what the model's forward computes, on kvchat's cache."""
 
 import copy
 import re
@@ -6,17 +6,22 @@ import re
 import pytest
 import torch
 
-from kvchat.core import kernels, models, weights
-from kvchat.core.layer import KVLayer
-from kvchat.core.models import ChatModel
-from kvchat.core.session import Sampling, Session
-from kvchat.core.settings import Settings
-from kvchat.core.step import ROPE_BLOCK, CompiledStep, DecodeStep, Norm
+from kvchat.core.ops import kernels
+from kvchat.core.model import loading as models
+from kvchat.core.decode import weights
+from kvchat.core.cache.layer import KVLayer
+from kvchat.core.model.loading import ChatModel
+from kvchat.core.engine.session import Sampling, Session
+from kvchat.core.engine.settings import Settings
+from kvchat.core.decode import build as build_step
+from kvchat.core.decode.compiled import CompiledStep
+from kvchat.core.decode.eager import DecodeStep
+from kvchat.core.decode.parts import ROPE_BLOCK, Norm
 
 from tinymodels import build_tiny
 
 FAMILIES = ["llama", "qwen2", "mistral", "llama3-scaled"]  # qwen2: q/k/v biases; llama3-scaled: another rope type
-# kvchat's operators (core/kernels.py) multiply by the fp16 copies with the input and each product unrounded where an
+# kvchat's operators (core/ops/kernels.py) multiply by the fp16 copies with the input and each product unrounded where an
 # fp16 GEMM (the model's ``HalfLinear``, the step without them) rounds both to fp16: logits (up to ~7 on these tiny
 # models) differ by up to ~2e-2, the size of the fp16 copies' own error against the fp32 weights
 # (``test_operators_are_as_close_to_the_fp32_model_as_the_fp16_products``).
@@ -240,13 +245,13 @@ def test_other_architectures_decode_through_the_models_forward(arch, tokenizer):
 
 def test_unknown_decode_is_refused(tokenizer, model_dir):
     with pytest.raises(ValueError, match="unknown decode 'fast'"):
-        DecodeStep.build(build_tiny("llama", tokenizer), "fast")
+        build_step(build_tiny("llama", tokenizer), "fast")
     with pytest.raises(models.ModelError, match=r"unknown decode 'fast' \(auto, model, compiled\)"):
         models.load(str(model_dir), decode="fast")
     assert models.load(str(model_dir), decode="model").step is None
 
 
-# --decode compiled: the whole step as one torch.compile graph (core/step.py: CompiledStep) -------------------------
+# --decode compiled: the whole step as one torch.compile graph (core/decode: CompiledStep) -------------------------
 def _eager_and_compiled(arch, tokenizer):
     model = build_tiny(arch, tokenizer)
     weights.apply(model, "half")
@@ -260,7 +265,7 @@ def _eager_and_compiled(arch, tokenizer):
 @pytest.mark.parametrize("heads,groups,slots,dim", [(3, 3, 1088, 64), (2, 1, 5, 32), (1, 4, 129, 48), (2, 3, 130, 20),
                                                      (2, 2, 300, 128), (1, 2, 77, 88), (2, 3, 0, 64)])
 def test_attention_operators_compute_what_torch_bmm_does(heads, groups, slots, dim):
-    """core/kernels.py: the compiled step's scores and weighted values, whole blocks and a partial last one; head
+    """core/ops/kernels.py: the compiled step's scores and weighted values, whole blocks and a partial last one; head
     sizes whose keys stay in registers (32, 48, 64), longer ones (88, 128) and one that is no multiple of 8 (20); no
     slots at all (an empty sum: zeros)."""
     assert kernels.load() is None  # built here (CI installs ninja and a C++ compiler)
@@ -288,7 +293,7 @@ def test_matvec_operator_computes_the_widened_product(rows, out, inner):
 
 
 def _block_reference(q, k, v, lens, x, o_w, n2, eps, gu_w, down_w):
-    """What ``kvchat::block`` computes, as the graph computes it without the block (core/step.py, ``_graph``)."""
+    """What ``kvchat::block`` computes, as the graph computes it without the block (core/decode, ``_graph``)."""
     later = torch.arange(k.shape[1])[None, None, :] > lens[:, None, None]
     probs = torch.bmm(q, k.transpose(1, 2)).masked_fill(later, float("-inf")).softmax(-1)
     x = x + torch.bmm(probs, v).reshape(1, 1, -1) @ o_w.float().T
@@ -412,7 +417,7 @@ def test_operators_read_the_first_slots_of_a_larger_buffer_as_a_copy_of_them():
 
 
 def _project_reference(x, n, eps, w, bias, cos, sin, rotated):
-    """What ``kvchat::project`` computes, as the step without the operators computes it (core/step.py)."""
+    """What ``kvchat::project`` computes, as the step without the operators computes it (core/decode)."""
     out = torch.nn.functional.rms_norm(x, (x.shape[-1],), n, eps) @ w.float().T
     out = out if bias is None else out + bias
     d = cos.numel()
@@ -602,7 +607,7 @@ def test_compiled_step_never_reads_uninitialised_slots(tokenizer, monkeypatch):
     """The cache's buffers allocated from memory full of NaN (what uninitialised memory may hold): cake's per-layer
     capacities leave unused slots at the end of each buffer, and the compiled step's attention over the whole buffer
     (unused slots masked) must stay finite and equal to the eager step's."""
-    from kvchat.core import layer as layer_module
+    from kvchat.core.cache import layer as layer_module
 
     class NanTorch:
         def __getattr__(self, name):

@@ -6,8 +6,8 @@ import sqlite3
 import pytest
 import torch
 
-from kvchat.core.session import Sampling, Session
-from kvchat.core.settings import Settings
+from kvchat.core.engine.session import Sampling, Session
+from kvchat.core.engine.settings import Settings
 from kvchat.storage.db import Store
 
 GREEDY = Sampling(max_new_tokens=5, temperature=0.0)

@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from kvchat.core.tokens import TokenLog
+from kvchat.core.engine.tokens import TokenLog
 
 
 def _rows(rng: random.Random, message: int, turn: int, sentence: int, m: int) -> tuple[dict, int]:

@@ -7,8 +7,8 @@ import pytest
 
 from kvchat.app.sessions import CapacityError, SessionManager
 from kvchat.app.views import cache_view, charts, chat_messages, head_map, layer_lengths
-from kvchat.core.session import Sampling
-from kvchat.core.settings import Settings
+from kvchat.core.engine.session import Sampling
+from kvchat.core.engine.settings import Settings
 from kvchat.storage.db import Store
 
 GREEDY = Sampling(max_new_tokens=6, temperature=0.0)
@@ -132,8 +132,8 @@ def web(manager):
 def test_settings_panel_is_generated_from_the_declarations(web):
     import gradio as gr
 
-    from kvchat.app.web import elem_id
-    from kvchat.core.settings import CACHE_SETTINGS, SAMPLING_SETTINGS
+    from kvchat.app.layout import elem_id
+    from kvchat.core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS
     from kvchat.policies import declared_params
 
     ids = {c.elem_id: c for c in web.demo.blocks.values() if getattr(c, "elem_id", None)}
@@ -153,14 +153,14 @@ def test_settings_panel_is_generated_from_the_declarations(web):
 
 
 def _values(web, session, **cache):
-    from kvchat.core.settings import CACHE_SETTINGS
+    from kvchat.core.engine.settings import CACHE_SETTINGS
 
     values = [cache.get(p.name, getattr(session.settings, p.name)) for p in CACHE_SETTINGS]
     return values + [p.default for p, _ in web.params.values()]
 
 
 def test_sampling_and_settings_handlers_parse_by_declaration(web):
-    from kvchat.core.settings import SAMPLING_SETTINGS
+    from kvchat.core.engine.settings import SAMPLING_SETTINGS
 
     request = _Request("a")
     s = web.manager.entry("a").session

@@ -5,10 +5,11 @@ import copy
 import pytest
 import torch
 
-from kvchat.core import models, weights
-from kvchat.core.models import ChatModel
-from kvchat.core.session import Sampling, Session
-from kvchat.core.settings import Settings
+from kvchat.core.model import loading as models
+from kvchat.core.decode import weights
+from kvchat.core.model.loading import ChatModel
+from kvchat.core.engine.session import Sampling, Session
+from kvchat.core.engine.settings import Settings
 
 from tinymodels import build_tiny
 

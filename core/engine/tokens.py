@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .groups import sentence_ids
+from ..cache.groups import sentence_ids
 
 ROLES = ("system", "user", "assistant")
 

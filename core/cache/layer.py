@@ -9,15 +9,10 @@ New tokens are written after the last used slot; ``keep()`` gathers the slots to
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .positions import Rotary
-
-if TYPE_CHECKING:
-    from .cache import KVCache
 
 
 class RaggedKV:
@@ -34,7 +29,7 @@ class KVLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, owner: "KVCache", index: int):
+    def __init__(self, owner, index: int):
         super().__init__()
         self._owner = owner
         self.index = index
@@ -80,7 +75,7 @@ class KVLayer(CacheLayerMixin):
     def appended(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """What ``update`` records besides writing the keys and values ([1, heads, q, dim]) after each head's last
         used slot: the archive's copy, the tokens' positions, zeroed statistics; then every head holds q more. The
-        compiled decode step (core/step.py) writes a token's key and value itself and calls this; the caller checked
+        compiled decode step (core/decode) writes a token's key and value itself and calls this; the caller checked
         the room."""
         self.staged(key_states, value_states)
         self.claim(key_states.shape[-2])
@@ -166,7 +161,7 @@ class KVLayer(CacheLayerMixin):
         total = sum(caps)
         self.caps = list(caps)
         self.offs = [sum(caps[:h]) for h in range(len(caps))]
-        # Zeros, not uninitialised memory: the compiled decode step (core/step.py) attends over every slot with the
+        # Zeros, not uninitialised memory: the compiled decode step (core/decode) attends over every slot with the
         # unused ones masked, and a masked probability times a NaN left in an unused value slot would still be NaN.
         self.keys = torch.zeros(total, kdim, dtype=self.dtype, device=self.device)
         self.values = torch.zeros(total, vdim, dtype=self.dtype, device=self.device)
@@ -363,8 +358,8 @@ class KVLayer(CacheLayerMixin):
         archive = self._owner.archive
         if archive is None:
             return rotary.rotate(keys, new - old)
-        return archive.rotated_keys(self.index, held.long(), new, rotary, heads).to(device=self.device,
-                                                                                     dtype=self.dtype)
+        archived, _, computed = archive.keys_values(self.index, held.long(), heads)
+        return rotary.rotate(archived, new.cpu().long() - computed.long()).to(device=self.device, dtype=self.dtype)
 
     @property
     def nbytes(self) -> int:

@@ -8,7 +8,7 @@ Before a forward would take the cache past budget + slack, ``make_room`` compres
 3. protected slots (sink, system prompt, recent window) are always kept; ``select_keep`` turns the scores into
    whole groups to keep;
 4. each layer gathers the kept slots; in ``rerotate`` mode (and for recall) every layer is refilled from the
-   archive at once, each key rotated once from where it was computed to its new slot (core/rebuild.py);
+   archive at once, each key rotated once from where it was computed to its new slot (core/cache/rebuild.py);
 5. an eviction event is recorded.
 
 The session supplies the state (settings, policy, cache, observer, token log, model); nothing here knows which
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..policies import LayerView
+from ...policies import LayerView
 from .groups import select_keep
 from .rebuild import rebuild, slots, slots_of
-from .turns import now_iso
+from ...storage.db import now_iso
 
 MAX_CHUNK = 512  # longest prefill forward
 
@@ -106,7 +106,7 @@ def compress(session, keep: int, reason: str, bring: torch.Tensor | None = None)
     """Compress every layer to ``keep`` positions (per head, or as the policy allocates them).
 
     ``bring``: absolute positions (ascending) that recall brings back from the archive into every layer and head
-    (core/recall.py). They count toward ``keep``: the policy's lowest-scored slots make room for them."""
+    (core/recall). They count toward ``keep``: the policy's lowest-scored slots make room for them."""
     s, cache, policy = session.settings, session.cache, session.policy
     before = cache.mean_length
     session.evictions.peak = max(session.evictions.peak, before)  # the cache is fullest right before a compression
@@ -148,7 +148,7 @@ def compress(session, keep: int, reason: str, bring: torch.Tensor | None = None)
     if bring is None and (rotary is None or cache.archive is None):  # kept keys stay where they are, or move live
         for p in plans:
             p.layer.keep(p.index, rotary, next_pos, p.caps)
-    else:  # every key taken from the archive and rotated once to its slot: all layers at once (core/rebuild.py)
+    else:  # every key taken from the archive and rotated once to its slot: all layers at once (core/cache/rebuild.py)
         if all(p.index is plans[0].index for p in plans) and not any(p.layer.stats for p in plans):
             shared = slots(plans[0].layer, plans[0].index, bring)  # a position-only policy: one choice for all
             built = [(p.layer, shared, p.caps) for p in plans]

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..policies import make_policy
-from .cache import KVCache
-from .compress import Evictions
+from ...policies import make_policy
+from ..cache.kvcache import KVCache
+from ..cache.compress import Evictions
 from .settings import Settings
 
 

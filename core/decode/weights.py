@@ -12,7 +12,7 @@ bytes. Norms, attention and the KV cache stay in the model's dtype.
 ``model`` leaves the model as loaded. ``auto`` is ``half`` for an fp32 model on the CPU and ``model`` elsewhere
 (GPUs pick their dtype with ``--dtype``).
 
-The decode step (core/step.py) moves the fp16 copies into one block of memory backed by 2 MiB pages where Linux
+The decode step (core/decode) moves the fp16 copies into one block of memory backed by 2 MiB pages where Linux
 allows (``on_huge_pages``): a step reads all ~270 MB of them, and with 4 KiB pages that is ~66,000 pages' address
 translations per token, far more than the TLB holds. On this project's machine (README, Speed) that made the
 compiled step's replies 12.3 ms per token against 12.9.

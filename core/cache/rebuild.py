@@ -2,7 +2,7 @@
 
 A compression in ``rerotate`` mode and recall's put-back both end the same way: each (layer, KV head) holds a new
 ascending list of absolute positions, and every key is the archived key rotated once from where it was computed
-to its slot's position (core/archive.py). Doing that layer by layer costs a few dozen small operations per layer;
+to its slot's position (storage/archive.py). Doing that layer by layer costs a few dozen small operations per layer;
 here it is three steps:
 
 1. which positions each head holds (``slots_of``: the kept slots' positions and statistics, and with recall the

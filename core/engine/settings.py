@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
-from ..policies import POLICIES, Param, make_policy, policy_class
-from .groups import AGGREGATES, GROUP_MODES
-from .positions import POSITION_MODES
+from ...policies import POLICIES, Param, make_policy, policy_class
+from ..cache.groups import AGGREGATES, GROUP_MODES
+from ..cache.positions import POSITION_MODES
 
 RECALL_MODES = ("off", "on")
 
@@ -142,14 +142,6 @@ class Settings:
             raise ValueError(
                 f"budget + slack ({self.capacity}) exceeds the model's {max_positions} positions"
             )
-
-
-#: Sampling defaults per model where its own generation config sets none. SmolLM2-135M-Instruct (kvchat's default
-#: model): its card's temperature 0.2 and top-p 0.9, and a repetition penalty of 1.1 over what the model can see,
-#: which `kvchat bench chat` measured against looping replies (README, Chat quality).
-MODEL_SAMPLING: dict[str, dict[str, Any]] = {
-    "SmolLM2-135M-Instruct": {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1},
-}
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ viewed as ``[1, heads, cap, dim]`` and attention runs once over it. With per-hea
 differ: ``update`` returns a ``RaggedKV`` and attention runs per head, so a head with a smaller budget really holds,
 and allocates, fewer slots (no masking of evicted keys).
 
-``KVCache`` is a transformers ``Cache`` of these layers, so any model that accepts ``past_key_values`` runs on it
+``KVCache`` is a transformers ``Cache`` of these layers, so any model that accepts a transformers cache runs on it
 unmodified.
 """
 
@@ -42,7 +42,7 @@ class KVCache(Cache):
         self.capacity = capacity
         self.max_capacity = max_capacity
         self.incoming_abs: torch.Tensor | None = None
-        #: Where every computed key and value is also written (core/archive.py); kept keys are re-rotated from it.
+        #: Where every computed key and value is also written (storage/archive.py); kept keys are re-rotated from it.
         self.archive = archive
         super().__init__(layers=[KVLayer(self, i) for i in range(num_layers)])
 
@@ -144,7 +144,7 @@ class KVCache(Cache):
         return out
 
     def load_slot_state(self, tensors: dict[str, torch.Tensor], rotary, original: bool, device) -> None:
-        """Rebuild the layers from ``slot_state()`` and the archive, as a compression does (core/rebuild.py): values
+        """Rebuild the layers from ``slot_state()`` and the archive, as a compression does (core/cache/rebuild.py): values
         as archived, keys rotated once from where they were computed to their slot's position (the absolute one in
         ``original`` mode)."""
         from .rebuild import Slots, rebuild

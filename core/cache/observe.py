@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from .attention import causal_mask
-from .cache import KVCache
+from .kvcache import KVCache
 from .layer import RaggedKV
 from .positions import Rotary
 

@@ -7,6 +7,8 @@ the last exchange) is rendered, so the cost per turn does not grow with the chat
 
 from __future__ import annotations
 
+import torch
+
 PLAIN_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] | capitalize }}: {{ message['content'] }}{{ eos_token }}\n"
     "{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}"
@@ -96,3 +98,17 @@ class ChatFormat:
         except Exception as exc:  # a template that cannot render a plain exchange is unusable
             raise TemplateError(f"the chat template cannot render a conversation: {exc}") from None
         return text.split(_S2, 1)[1] if _S2 in text else ""
+
+
+def scaffolding(chat: ChatFormat, tokenizer) -> torch.Tensor:
+    """Token ids the chat template wraps every message in (role headers, end markers): a group made of these alone
+    carries nothing to recall."""
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    ids = set(tokenizer.all_special_ids)
+    for role in ("user", "assistant"):
+        marker = "xq"
+        seg = chat.segment([{"role": "user", "content": "hi"}] if role == "assistant" else [],
+                           {"role": role, "content": marker})
+        head, _, tail = seg.partition(marker)
+        ids |= set(encode(head)) | set(encode(tail))
+    return torch.tensor(sorted(ids), dtype=torch.long)

@@ -2,7 +2,7 @@
 a conversation.
 
 Every completed turn is durable, cache included. When a turn closes: the archive (every token's KV as computed,
-core/archive.py) is synced; then the cache's slot state (which positions each layer and head keeps and where,
+storage/archive.py) is synced; then the cache's slot state (which positions each layer and head keeps and where,
 per-slot statistics, observer queries, policy state, the sampling generator) is written atomically as
 ``state-<turn>.safetensors`` beside the archive; then the turn's records go to SQLite in one transaction, which
 is the commit point; older state files are removed after it. A crash at any moment leaves SQLite at the last
@@ -14,19 +14,19 @@ rebuilt by prefilling the tokens they kept (``restored_from == "tokens"``).
 from __future__ import annotations
 
 import json
-import os
 import uuid
 from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
-from . import compress
-from .archive import Archive, fsync_dir
+from ..cache import compress
+from ...storage import statefile
+from ...storage.archive import Archive
+from ..recall.digest import Digests
 from .settings import Settings
-from .turns import TurnResult, now_iso
+from ...storage.db import now_iso
+from .turns import TurnResult
 
 
 def turn_record(session, res: TurnResult, messages: list[tuple[int, list[int]]]) -> dict:
@@ -66,7 +66,14 @@ def commit(session, record: dict) -> None:
 
 def new_archive(store, model) -> Archive | None:
     """A new conversation's archive beside the database (None without a store)."""
-    return Archive(store.archive_folder(uuid.uuid4().hex), model.num_layers) if store is not None else None
+    return open_archive(store.archive_folder(uuid.uuid4().hex), model) if store is not None else None
+
+
+def open_archive(folder: Path, model) -> Archive:
+    """A conversation's archive and the recall digests beside it."""
+    archive = Archive(folder, model.num_layers)
+    archive.digests = Digests(folder, model.num_layers)
+    return archive
 
 
 def write_state(session) -> Path:
@@ -82,35 +89,23 @@ def write_state(session) -> Path:
     meta = {"turn": str(session.turn), "total_tokens": str(session.log.n), "positions": session.settings.positions,
             "policy": session.settings.policy, "policy_state": json.dumps(session.policy.get_state()),
             "evicted_total": str(session.evictions.total)}
-    archive.folder.mkdir(parents=True, exist_ok=True)
-    path = archive.folder / f"state-{session.turn}.safetensors"
-    tmp = path.with_suffix(".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(archive.folder)
-    return path
+    return statefile.write(archive.folder, session.turn, tensors, meta)
 
 
 def remove_states(archive: Archive, keep: int) -> None:
-    for path in archive.folder.glob("state-*.safetensors"):
-        if path.name != f"state-{keep}.safetensors":
-            path.unlink(missing_ok=True)
+    statefile.remove_others(archive.folder, keep)
 
 
 def _load_state(session, folder: Path) -> bool:
     """Restore the cache exactly from the archive and the state file of the current turn; whether it could."""
-    path = folder / f"state-{session.turn}.safetensors"
     archive = session.archive
-    if not path.is_file() or archive.n < session.log.n:
+    meta = statefile.metadata(folder, session.turn)
+    if meta is None or archive.n < session.log.n:
         return False
-    with safe_open(path, "pt") as f:
-        meta = f.metadata() or {}
     if int(meta.get("total_tokens", -1)) != session.log.n or meta.get("positions") != session.settings.positions:
         return False
     archive.truncate(session.log.n)  # what a crash left past the committed turn
-    tensors = load_file(path)
+    tensors = statefile.read(folder, session.turn)
     model = session.model
     session.cache.load_slot_state(tensors, model.rotary, session.settings.positions == "original", model.device)
     if session.observer is not None:
@@ -190,7 +185,7 @@ def resume(cls, model, store, conversation_id: int, exact: bool = True, sampling
     session.evictions.total = sum(r.evicted_tokens for r in session.history)
     session.archive = session.cache.archive = None
     if conv.get("archive"):
-        session.archive = Archive(store.archive_folder(conv["archive"]), model.num_layers)
+        session.archive = open_archive(store.archive_folder(conv["archive"]), model)
         if session.archive.n < session.log.n:
             session.archive = None  # incomplete: the conversation goes on without one
         else:

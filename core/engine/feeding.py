@@ -8,10 +8,11 @@ import time
 
 import torch
 
-from . import compress, recall
+from ..cache import compress
+from ..recall import choose as recall
 from .checkpoint import Checkpoint, ReadMark
-from .observe import Observer
-from .recall import QueryTap
+from ..cache.observe import Observer
+from ..recall.score import QueryTap
 from .tokens import encode
 from .turns import TurnResult
 
@@ -118,11 +119,11 @@ class Feeding:
             tap.keep = tap.keep.to(device) if tap.keep is not None else None
             extra["kvchat_tap"] = tap
         with torch.no_grad():
-            if ids.numel() == 1 and tap is None and self.model.step is not None:  # a decode step (core/step.py)
+            if ids.numel() == 1 and tap is None and self.model.step is not None:  # a decode step (core/decode)
                 logits = self.model.step(ids.to(device), pos.to(device), self.cache, self.observer)
             else:
                 logits = self.model.model(input_ids=ids[None].to(device), position_ids=pos[None].to(device),
-                                          past_key_values=self.cache, use_cache=True,
+                                          **{self.model.cache_arg: self.cache}, use_cache=True,
                                           logits_to_keep=0 if all_logits else 1, **extra).logits[0]
         if self.cache.archive is not None:
             self.cache.archive.append(pos)

@@ -5,9 +5,9 @@ value dim]`` in the model's dtype, and beside it (``pos.bin``, int32) the positi
 Nothing that leaves the cache is lost: the archive keeps it.
 
 It is also what makes the cache reproducible. Every key the cache holds is the archived key rotated once, from
-the position it was computed at to the position its slot has now (``rotated_keys``): compressions and position
+the position it was computed at to the position its slot has now (core/cache/rebuild.py): compressions and position
 mode switches take kept keys from here instead of rotating the live ones again, so the cache after any turn is a
-pure function of the archive and of which positions each (layer, head) keeps. Restoring that list (core/persist.py)
+pure function of the archive and of which positions each (layer, head) keeps. Restoring that list (core/engine/persist.py)
 restores the cache bit for bit.
 
 Writes go to the OS as tokens are fed; ``sync`` makes them durable (fsync) when a turn commits, and ``truncate``
@@ -22,8 +22,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .positions import Rotary
-from .recall import Digests
 
 _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: np.uint16}
 
@@ -38,7 +36,9 @@ class Archive:
         self._files = None
         self._map: torch.Tensor | None = None  # the records, over a memory map (``_tensors``)
         self._pos_map: torch.Tensor | None = None
-        self.digests = Digests(self.folder, num_layers)  # what recall scores (core/recall.py)
+        #: Recall's digests kept beside it (core/recall/digest.py), synced, truncated and deleted with it; set by
+        #: the engine (None: none).
+        self.digests = None
         if (self.folder / "layout.txt").is_file():
             heads, kdim, vdim, dtype = (self.folder / "layout.txt").read_text().split()
             self.layout = (int(heads), int(kdim), int(vdim), getattr(torch, dtype))
@@ -87,12 +87,14 @@ class Archive:
             for f in self._files:
                 f.flush()
                 os.fsync(f.fileno())
-        self.digests.sync()
+        if self.digests is not None:
+            self.digests.sync()
 
     def truncate(self, n: int) -> None:
         """Forget positions ``n`` and later (an undone turn, or what a crash left uncommitted)."""
         self._staged.clear()
-        self.digests.truncate(n)
+        if self.digests is not None:
+            self.digests.truncate(n)
         if self.layout is None:
             return
         self.close()
@@ -110,7 +112,8 @@ class Archive:
                 f.close()
             self._files = None
         self._map = self._pos_map = None
-        self.digests.close()
+        if self.digests is not None:
+            self.digests.close()
 
     # -- reading ----------------------------------------------------------------------------------------------------
     def _record_bytes(self) -> int:
@@ -161,18 +164,10 @@ class Archive:
         k, v, computed = self.read([layer], positions[None], heads)
         return k[0], v[0], computed[0]
 
-    def rotated_keys(self, layer: int, positions: torch.Tensor, target: torch.Tensor, rotary: Rotary | None,
-                     heads: list[int] | None = None) -> torch.Tensor:
-        """The archived keys at ``positions`` [rows, n] (of ``heads``, as in ``keys_values``), each rotated once
-        from the position it was computed at to ``target`` [rows, n] (unrotated without RoPE)."""
-        keys, _, computed = self.keys_values(layer, positions, heads)
-        if rotary is None:
-            return keys
-        return rotary.rotate(keys, target.cpu().long() - computed.long())
-
     def delete(self) -> None:
         self.close()
-        self.digests.delete()
+        if self.digests is not None:
+            self.digests.delete()
         for name in ("kv.bin", "pos.bin", "layout.txt"):
             (self.folder / name).unlink(missing_ok=True)
         try:

@@ -2,12 +2,12 @@
 
 Each new message is rendered by the chat template as the text it adds, tokenized, and prefilled on top of the
 existing cache (never the history). Before a forward would take the cache past budget + slack, the cache is
-compressed to the budget (``core/compress.py``). The engine never knows which policy it runs.
+compressed to the budget (``core/cache/compress.py``). The engine never knows which policy it runs.
 
 This module orchestrates a turn: the five entry points (``add``, ``exchange``, ``probe``, ``reply``,
 ``feed_raw``) share one prologue (``_open_turn``) and one epilogue (``_close_turn``). Generation is
-``core/generate.py``, undo ``core/checkpoint.py``, what is stored ``core/persist.py``, reads from other threads
-(the web UI) ``core/reading.py``."""
+``core/engine/generate.py``, undo ``core/engine/checkpoint.py``, what is stored ``core/engine/persist.py``, reads from other threads
+(the web UI) ``core/engine/reading.py``."""
 
 from __future__ import annotations
 
@@ -17,20 +17,22 @@ from typing import Any
 
 import torch
 
-from ..policies import make_policy
-from . import compress, persist
-from .cache import KVCache
+from ...policies import make_policy
+from ..cache import compress
+from . import persist
+from ..cache.kvcache import KVCache
 from .checkpoint import Checkpoint
 from .feeding import Feeding
 from .generate import CLOSING_RESERVE, Generation, Reply
 from .locking import locked
-from .models import ChatModel
-from .positions import convert_positions
+from ..model.loading import ChatModel
+from ..cache.positions import convert_positions
 from .procinfo import peak_rss_mb, rss_mb  # noqa: F401  (part of the engine's public surface)
 from .reading import SessionReads
 from .settings import Sampling, Settings
 from .tokens import ROLES, TokenLog, check_text, encode_with_offsets
-from .turns import ContextFullError, TurnResult, now_iso
+from ...storage.db import now_iso
+from .turns import ContextFullError, TurnResult
 
 __all__ = ["CLOSING_RESERVE", "ROLES", "ContextFullError", "Sampling", "Session", "Settings", "TurnResult",
            "check_text", "peak_rss_mb", "rss_mb"]

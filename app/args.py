@@ -1,0 +1,193 @@
+"""The command line's arguments, generated from the declared settings (core/engine/settings.py) and the policies'
+declared parameters, and what chat, replay and serve do with them first (``prepare``: check, load the model)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .. import __version__
+from ..core.decode.parts import DECODE
+from ..core.decode.weights import WEIGHTS
+from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS, Sampling, Settings
+from ..policies import POLICIES, Param, declared_params, policy_class
+
+
+class CLIError(ValueError):
+    pass
+
+
+def _model_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument("--model", default="default",
+                   help="Hugging Face id, local directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps")
+    g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
+    g.add_argument("--weights", default="auto", choices=WEIGHTS,
+                   help="linear weights: half (an fp16 copy for one-token decode steps; prefill, activations and cache "
+                        "as loaded), model (as loaded), auto (half for an fp32 model on the CPU; default auto)")
+    g.add_argument("--decode", default="auto", choices=DECODE,
+                   help="one-token steps: auto (kvchat's step for Llama-family models, core/decode, on kvchat's "
+                        "operators where they build; others through the model's forward), compiled (that step as one "
+                        "torch.compile graph: a minute or two to compile the first time), model (every step through "
+                        "the model's forward; default auto)")
+    g.add_argument("--device-map", default=None, help="e.g. auto: spread a large model over devices (accelerate)")
+    g.add_argument("--chat-template", default=None, help="'plain' or a Jinja file, for models without a template")
+    g.add_argument("--db", default=None, help="SQLite database (default: $KVCHAT_HOME/kvchat.db)")
+
+
+def metavar(p: Param) -> str:
+    """How a flag's value is shown in --help: its choices ({a,b}) or its type (INT, FLOAT, STR, BOOL)."""
+    return "{" + ",".join(map(str, p.choices)) + "}" if p.choices else p.type.__name__.upper()
+
+
+def _add_flag(group, p: Param, dest: str, note: str = "", default: str | None = None) -> None:
+    """One flag from its declaration. The value stays a string (default None: not given); ``Param.parse`` checks
+    it later, so a bad value is one ``kvchat: error:`` line like every other input error."""
+    group.add_argument(p.flag, dest=dest, default=None, metavar=metavar(p),
+                       help=f"{p.help} ({note}default {p.shown_default if default is None else default})")
+
+
+def _cache_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("cache")
+    for p in CACHE_SETTINGS:
+        _add_flag(g, p, p.name)
+    for name, (p, users) in declared_params().items():
+        _add_flag(g, p, f"param_{name}", note=f"policies: {', '.join(users)}; ")
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    """Sampling flags default to None: the model's own defaults apply to what is not given (``_prepare``)."""
+    g = parser.add_argument_group("generation")
+    for p in SAMPLING_SETTINGS:
+        _add_flag(g, p, p.name, default=f"{p.shown_default} unless the model sets its own")
+    g.add_argument("--seed", type=int, default=0, metavar="INT", help="seed of the sampler (default 0)")
+
+
+def parse_setting(p: Param, value):
+    """A cache or sampling setting's value converted and checked by its declaration (ValueError, one line). The
+    policy is looked up among the registered ones (its declared choices are those known when it was declared)."""
+    if p.name == "policy":
+        return policy_class(str(value)).name
+    if p.type is bool and not isinstance(value, (bool, str)):  # a checkbox sends a bool: -1, NaN or 1e30 is junk
+        raise ValueError(f"{p.name} must be true or false, got {value!r}")
+    value = p.parse(value)
+    if p.type is int and value is not None and abs(value) > INT_LIMIT:  # 10**100 would overflow a tensor later
+        raise ValueError(f"{p.name} must be at most {INT_LIMIT}, got {_short_number(value)}")
+    return value
+
+
+INT_LIMIT = 2**31 - 1
+
+
+def _short_number(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 20 else f"{text[:8]}... ({len(text)} digits)"
+
+
+def settings_from_args(args) -> Settings:
+    """The cache settings given on the command line (each parsed by its declaration), defaults for the rest."""
+    given = {p.name: parse_setting(p, getattr(args, p.name)) for p in CACHE_SETTINGS
+             if getattr(args, p.name) is not None}
+    policy = given.get("policy", Settings.policy)
+    cls_params = {p.name for p in POLICIES[policy].params} if policy in POLICIES else set()
+    params = {}
+    for name in declared_params():
+        value = getattr(args, f"param_{name}", None)
+        if value is None:
+            continue
+        if name not in cls_params:
+            raise CLIError(f"--{name.replace('_', '-')} does not apply to policy {policy}")
+        parse_setting(declared_params()[name][0], value)  # checked here (a huge int); the policy parses it again
+        params[name] = value
+    return Settings(params=params, **given)
+
+
+def sampling_from_args(args) -> dict:
+    """The sampling settings given on the command line, parsed by their declarations (the rest left out)."""
+    return {p.name: parse_setting(p, getattr(args, p.name)) for p in SAMPLING_SETTINGS
+            if getattr(args, p.name) is not None}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvchat", description="Chat with a local LLM whose KV cache stays bounded.")
+    parser.add_argument("--version", action="version", version=f"kvchat {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    chat = sub.add_parser("chat", help="chat in the terminal (streamed; /help for commands)")
+    _model_args(chat)
+    _cache_args(chat)
+    _sampling_args(chat)
+    chat.add_argument("--system", default=None, help="system prompt (default: the model's own)")
+    chat.add_argument("--resume", type=int, default=None, metavar="ID", help="continue a saved conversation")
+
+    replay = sub.add_parser("replay", help="replay scripted conversations headless")
+    replay.add_argument("scripts", nargs="+", help="kvchat JSONL, ShareGPT JSON or MT-Bench JSONL files")
+    _model_args(replay)
+    _cache_args(replay)
+    _sampling_args(replay)
+    replay.add_argument("--json", action="store_true", help="JSONL on stdout: one line per turn, then summaries")
+    replay.add_argument("--no-save", action="store_true", help="do not store the conversations in the database")
+    replay.add_argument("--resume", type=int, default=None, metavar="ID",
+                        help="continue stored conversation ID with the script: its turns must be the script's first "
+                             "ones; the rest is replayed on its restored cache with its stored cache settings")
+
+    serve = sub.add_parser("serve", help="the web UI (Gradio) on http://127.0.0.1:7860")
+    _model_args(serve)
+    _cache_args(serve)
+    _sampling_args(serve)
+    g = serve.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1; any other needs --auth or --auth-file)")
+    g.add_argument("--port", type=int, default=7860)
+    g.add_argument("--auth", default=None, metavar="USER:PASSWORD", help="require this login")
+    g.add_argument("--auth-file", default=None, help="file of USER:PASSWORD lines, one login each")
+    g.add_argument("--share", action="store_true", help="also open a public Gradio share link (needs --auth)")
+    g.add_argument("--max-sessions", type=int, default=8, help="browser sessions with a chat open at once")
+    g.add_argument("--max-cache-mb", type=float, default=2048,
+                   help="cache memory all sessions may reserve together (MB)")
+    serve.add_argument("--system", default=None, help="system prompt of new conversations (default: the model's)")
+
+    pol = sub.add_parser("policies", help="list eviction policies and their parameters")
+    pol.add_argument("--json", action="store_true")
+
+    conv = sub.add_parser("conversations", help="list, show, export, rename or delete saved conversations")
+    conv.add_argument("action", nargs="?", default="list", choices=["list", "show", "export", "rename", "delete"])
+    conv.add_argument("id", nargs="?", type=int)
+    conv.add_argument("title", nargs="?", help="new title (rename)")
+    conv.add_argument("--db", default=None)
+    conv.add_argument("--output", "-o", default=None, help="export to this file instead of stdout")
+    conv.add_argument("--json", action="store_true")
+
+    from ..bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
+    return parser
+
+
+def db_path(arg: str | None) -> Path:
+    from ..core.model.loading import kvchat_home
+
+    return Path(arg).expanduser() if arg else kvchat_home() / "kvchat.db"
+
+
+def prepare(args, check_settings: bool = True):
+    """What chat, replay and serve do first: check the cache and sampling flags (what can be checked before the
+    model loads), load the model, then resolve the sampling settings against the model's own defaults and, with
+    ``check_settings``, check the cache settings against the model. Returns (settings, sampling, model)."""
+    settings = settings_from_args(args)
+    settings.validate(max_positions=1 << 30)
+    given = sampling_from_args(args)
+    Sampling().changed(**given)
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    from ..core.model.loading import load_model
+
+    model = load_model(args.model, device=args.device, dtype=args.dtype, device_map=args.device_map,
+                       chat_template=args.chat_template, weights=args.weights,
+                       decode=args.decode)
+    sampling = Sampling.for_model(model, **given)
+    if check_settings:
+        settings.validate(model.max_positions, model.rotary_error)
+    return settings, sampling, model

@@ -1,0 +1,135 @@
+"""``kvchat chat``: the terminal chat, streamed, with /commands that change the live session."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import time
+
+from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS
+from ..policies import POLICIES
+from .args import CLIError, db_path, parse_setting, prepare
+
+
+def _chat_help() -> str:
+    lines = ["commands:",
+             "  /policy NAME [key=value ...]   switch policy (parameters optional)",
+             "  /budget N                      change the budget (a smaller one compresses now)",
+             "  /set key=value ...             change settings (below), e.g. /set temperature=0.3 top_k=40",
+             "  /stats                         cache and conversation statistics",
+             "  /help, /quit                   (a line ending in \\ continues on the next line; Ctrl-C stops a reply)",
+             "settings for /set (cache, then sampling):"]
+    for p in (*CACHE_SETTINGS, *SAMPLING_SETTINGS):
+        key = f"{p.name}={p.kind}"
+        lines.append(f"  {key:30s} {p.help} (default {p.shown_default})")
+    return "\n".join(lines)
+
+
+CHAT_HELP = _chat_help()
+SETTABLE = {p.name: p for p in (*CACHE_SETTINGS, *SAMPLING_SETTINGS)}
+
+
+def _set(session, pairs: list[str]) -> dict:
+    """``/set key=value ...``: every value parsed first, then the cache settings (``configure``, which checks the
+    combination) and the sampling settings applied; ValueError and nothing applied on any bad value."""
+    cache, sampling = {}, {}
+    for kv in pairs:
+        if "=" not in kv:
+            raise CLIError(f"/set takes key=value, got {kv!r}")
+        k, v = kv.split("=", 1)
+        if k not in SETTABLE:
+            raise CLIError(f"/set cannot change {k!r} (/help lists the settings)")
+        p = SETTABLE[k]
+        (cache if p in CACHE_SETTINGS else sampling)[k] = parse_setting(p, v)
+    new_sampling = session.sampling.changed(**sampling)
+    applied = session.configure(**cache) if cache else {}
+    before = session.sampling
+    session.sampling = new_sampling
+    return {**applied, **{k: v for k, v in new_sampling.as_dict().items() if getattr(before, k) != v}}
+
+
+def _chat_command(session, line: str) -> bool:
+    """Run a /command; False to quit."""
+    parts = shlex.split(line[1:])
+    if not parts:
+        return True
+    cmd, rest = parts[0], parts[1:]
+    if cmd in ("quit", "exit", "q"):
+        return False
+    if cmd == "help":
+        print(CHAT_HELP)
+    elif cmd == "stats":
+        for k, v in session.stats().items():
+            print(f"  {k}: {v}")
+    elif cmd in ("policy", "budget", "set"):
+        if cmd == "policy":
+            if not rest:
+                raise CLIError(f"/policy needs a name: {', '.join(POLICIES)}")
+            applied = session.configure(policy=rest[0], params=dict(kv.split("=", 1) for kv in rest[1:] if "=" in kv))
+        elif cmd == "budget":
+            if len(rest) != 1 or not rest[0].isdigit():
+                raise CLIError("/budget needs one number")
+            applied = session.configure(budget=int(rest[0]))
+        else:
+            applied = _set(session, rest)
+        print(f"  applied: {applied}" if applied else "  no change")
+    else:
+        raise CLIError(f"unknown command /{cmd} (/help lists them)")
+    return True
+
+
+def cmd_chat(args) -> int:
+    from ..core.engine.session import Session
+    from ..storage.db import Store
+
+    # A resumed conversation keeps its stored settings: the cache flags are then checked only on their own.
+    settings, sampling, model = prepare(args, check_settings=args.resume is None)
+    store = Store(db_path(args.db))
+    if args.resume is not None:
+        session = Session.resume(model, store, args.resume, sampling=sampling)
+        print(f"resumed conversation {args.resume} ({len(session.messages)} messages, cache restored from "
+              f"{session.restored_from}, {session.cache_tokens} tokens)", file=sys.stderr)
+    else:
+        session = Session(model, settings, system=args.system or "default", store=store, sampling=sampling,
+                          seed=args.seed)
+    s = session.settings
+    print(f"{model.name} | policy {s.policy} | budget {s.budget} | groups {s.groups} | positions {s.positions} | "
+          "/help for commands", file=sys.stderr)
+    try:
+        while True:
+            try:
+                line = input("you> ")
+                while line.endswith("\\"):
+                    line = line[:-1] + "\n" + input("...> ")
+            except EOFError:
+                print()
+                break
+            if not line.strip():
+                continue
+            try:
+                if line.startswith("/"):
+                    if not _chat_command(session, line):
+                        break
+                    continue
+                gen = session.reply(line)
+            except ValueError as exc:
+                print(f"kvchat: error: {exc}", file=sys.stderr)
+                continue
+            print("bot> ", end="", flush=True)
+            t = time.perf_counter()
+            try:
+                for delta in gen:
+                    print(delta, end="", flush=True)
+            except KeyboardInterrupt:
+                gen.close()
+                print(" [stopped]", end="")
+            res = session.history[-1]
+            print(f"\n  [{res.new_tokens} tokens, {time.perf_counter() - t:.1f} s, cache {res.cache_tokens} "
+                  f"tokens / {res.cache_bytes / 2**20:.1f} MiB, evicted {res.evicted_tokens}"
+                  + (f", recalled {res.recalled_tokens} in {res.recall_ms:.0f} ms" if res.recalled_tokens else "")
+                  + "]", file=sys.stderr)
+            for w in res.warnings:
+                print(f"warning: {w}", file=sys.stderr)
+    finally:
+        session.close()
+    return 0

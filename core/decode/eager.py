@@ -1,0 +1,210 @@
+"""The eager one-token decode step of Llama-family models, run layer by layer without transformers' module dispatch.
+
+A decode step on the CPU is many small pieces of work: per layer seven products with one token's vector, two norms,
+the rotary embedding, the cache update and attention. Through the model's ``forward`` each of them also pays
+transformers' module calls, keyword plumbing and per-projection casts: on this project's machine the small
+operations of a step took longer than its products (README, Speed). ``DecodeStep`` runs the same computation for
+one token, in one of two ways:
+
+* on kvchat's operators (core/ops/kernels.py), where the fp16 copies of ``--weights half`` are in use, the model is fp32
+  on the CPU with Llama's RMS norms and a SiLU MLP, and the operators build (a C++ compiler; once per machine): per
+  layer one ``kvchat::layer`` call where every head of the cache layer has a free slot (``KVLayer.free_slot``: the
+  norm, q/k/v as one product, their bias, the rotary embedding of q and k, the new key and value written into the
+  layer's buffers, attention over them in place, the output projection, the norm, the MLP, and H2O's sums where the
+  observer keeps them, ``Observer.step_sums``), the cache layer having claimed the slot before (its position, zeroed
+  statistics: ``KVLayer.claim``) and staging the archive's copy after; where a head has no free slot (the cache
+  resizes first) ``kvchat::project``, the cache layer's ``update`` and ``kvchat::block``, the same computation.
+  ``kvchat::project`` then runs the output layer. Heads of different lengths (``headaware``) take the attention
+  below and the operators for the products. The products widen the fp16 weights in registers and sum in fp32 with
+  the input unrounded, where an fp16 GEMM rounds the input and the products to fp16: logits within that rounding of
+  the model's forward with the same copies, and about as close to the fp32 model's (tests/test_step.py).
+  ``without_ops`` says why a step runs without them;
+* otherwise the model's own modules where they run once per step or carry the model's formula (embedding, RMS
+  norms, the MLP's activation, the output layer); q/k/v and gate/up as one product each (with ``--weights half``
+  their fp16 copies are concatenated once and the ``HalfLinear`` layers keep views into the concatenation; with the
+  weights as loaded each projection is its own product, as in the model); the rotary embedding of queries and keys
+  in one pass (the model's formula, ``x * cos + rotate_half(x) * sin``, in three kernels); kvchat's cache update
+  and attention function, as the model's forward calls them.
+
+Either way the cache layer records what ``update`` records and the policy's observer sees what it always sees, so
+policies, statistics and the archive are the same. It serves decoder layers whose forward is Llama's (``SUPPORTED``:
+Llama, Mistral, Qwen2 — Qwen2's q/k/v biases included); other architectures, reads of several tokens, recall's query
+tap and models dispatched by accelerate hooks run through the model's forward. ``--decode model`` turns it off.
+tests/test_step.py compares it with the model's forward for each supported family: without the operators the same
+logits bit for bit with the weights as loaded (fp32 or bf16), within 1e-5 with ``--weights half`` (one fp16 product
+for q/k/v instead of three may sum in another order); with them within the fp16 rounding above; the same greedy
+replies either way; ``kvchat::layer`` gives the bits of its three parts and of the observer's H2O sums. On this
+project's machine the step without the operators saved 5-6 ms of a 30-32 ms step against the model's forward, the
+operators took the reply loop from about 22 to 12.4-14.1 ms per token (alternating with the step without them,
+``streaming`` at budget 1024), and ``kvchat::layer`` saved another 0.9-1.4 ms a token against its three parts
+(``streaming``; 1.6-2.5 ms for ``h2o``), and H2O's sums inside it 0.8-2.1 ms against the observer's (README, Speed).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..cache.attention import kvchat_attention
+from ..cache.layer import RaggedKV
+from ..ops import kernels
+from .parts import ROPE_BLOCK, SUPPORTED, Layer, Norm, blockable, fp32_llama
+from .weights import HalfLinear, on_huge_pages
+
+
+class DecodeStep:
+    def __init__(self, model: nn.Module):
+        base = model.model
+        self.embed, self.rotary, self.head = base.embed_tokens, base.rotary_emb, model.lm_head
+        self.norm = Norm(base.norm)
+        self.layers = [Layer(layer) for layer in base.layers[: model.config.num_hidden_layers]]
+        self.head_dim = self.layers[0].attn.head_dim
+        # Rotary cos/sin' are kept per block of positions below the model's maximum (``_rope_block``: ~4 MB for all
+        # 8,192 of the default model, only the blocks in use are made) where they depend on the position alone;
+        # rope types that rescale with the sequence's length (dynamic NTK, LongRoPE), and models off the CPU, compute
+        # them at every step.
+        rope = getattr(self.rotary, "rope_type", None)
+        static = rope is not None and "dynamic" not in rope and rope != "longrope"
+        static = static and next(model.parameters()).device.type == "cpu"  # elsewhere int(position) would sync
+        self.rope_limit = getattr(model.config, "max_position_embeddings", 0) if static else 0
+        self._rope_blocks: dict[int, torch.Tensor] = {}
+        self._place_copies()
+        # Why the step runs without kvchat's operators (None: it runs on them; ``_operators``).
+        self.without_ops: str | None = self._operators(model)
+
+    def _operators(self, model: nn.Module) -> str | None:
+        """Whether every layer can run on kvchat's operators (core/ops/kernels.py: ``layer`` for a whole layer, or
+        ``project`` and ``block`` around the cache layer's ``update`` where it must resize first; ``project`` for the
+        output layer), building them if need be (once per machine): None if so, else why not. They need the fp16
+        copies of ``--weights half`` (with the layers' norms as Llama's, in fp32 on the CPU) and a C++ compiler."""
+        why = fp32_llama(model)
+        if why is not None:
+            return why
+        if not all(n.fused for lay in self.layers for n in (lay.norm1, lay.norm2)) or not self.norm.fused:
+            return "its norms' weights are not fp32"
+        if not all(lay.qkv.halves and blockable(lay) for lay in self.layers) or not isinstance(self.head, HalfLinear):
+            return "the weights are not fp16 copies without biases after q/k/v, or the MLP is not SiLU"
+        return kernels.load()
+
+    def _place_copies(self) -> None:
+        """The fp16 copies the step reads (``--weights half``) moved into one block of huge-page memory
+        (``weights.on_huge_pages``), the ``HalfLinear`` layers' views with them; nothing changes where that cannot
+        be had. Values and shapes stay; only where the bytes live changes."""
+        projections = [p for lay in self.layers for p in (lay.qkv, lay.o, lay.gate_up, lay.down) if p.halves]
+        head = self.head if isinstance(self.head, HalfLinear) else None
+        copies = [p.weight for p in projections] + ([head.step] if head is not None else [])
+        placed = on_huge_pages(copies)
+        if placed is None:
+            return
+        for p, weight in zip(projections, placed):
+            p.weight = weight
+            start = 0
+            for m in p.linears:
+                m.step = weight[start: start + m.out_features]
+                start += m.out_features
+        if head is not None:
+            head.step = placed[-1]
+
+    @staticmethod
+    def unsupported(model: nn.Module) -> str | None:
+        """Why the step cannot run ``model`` (None when it can)."""
+        base = getattr(model, "model", None)
+        layers = getattr(base, "layers", None)
+        if layers is None or not all(hasattr(base, a) for a in ("embed_tokens", "rotary_emb", "norm")):
+            return f"{type(model).__name__} has no Llama-style decoder"
+        kinds = {type(layer).__name__ for layer in layers} - SUPPORTED
+        if kinds:
+            return f"decoder layers {', '.join(sorted(kinds))} are not Llama's"
+        if any(hasattr(m, "_hf_hook") for m in model.modules()):
+            return "the model is dispatched by accelerate hooks (--device-map)"
+        if not isinstance(getattr(model, "lm_head", None), (nn.Linear, HalfLinear)):
+            return "the output layer is not a linear layer"
+        return None
+
+    def _embed(self, token: torch.Tensor, position: torch.Tensor):
+        """The token's embedding [1, 1, hidden] and its rotary cos and sin', each [1, 1, 1, head_dim]."""
+        x = self.embed(token[None])
+        if self.rope_limit:
+            p = int(position[0])
+            if p < self.rope_limit:
+                block = self._rope_block(p // ROPE_BLOCK, x)
+                row = p % ROPE_BLOCK
+                return x, block[0, row].view(1, 1, 1, -1), block[1, row].view(1, 1, 1, -1)
+        cos, sin = self._rope(x, position[None])
+        return x, cos[:, None], sin[:, None]
+
+    def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's rotary cos and sin' for ``positions`` ([1, n]), each [1, n, head_dim]. The model computes x *
+        cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1); the step computes it as x * cos + roll(x) * sin'
+        with sin' = cat(-sin1, sin2): the same products ((-a) * b is a * (-b) exactly) in three kernels, not six."""
+        cos, sin = self.rotary(x, positions)
+        half = self.head_dim // 2
+        return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+    def _rope_block(self, b: int, x: torch.Tensor) -> torch.Tensor:
+        """cos and sin' of positions [b * ROPE_BLOCK, (b + 1) * ROPE_BLOCK) as [2, ROPE_BLOCK, head_dim], computed
+        once by the model's rotary module (element-wise in the position: the same bits as one at a time) and kept."""
+        block = self._rope_blocks.get(b)
+        if block is None:
+            positions = torch.arange(b * ROPE_BLOCK, (b + 1) * ROPE_BLOCK, device=x.device)[None]
+            block = self._rope_blocks[b] = torch.cat(self._rope(x, positions))
+        return block
+
+    def __call__(self, token: torch.Tensor, position: torch.Tensor, cache, observer=None) -> torch.Tensor:
+        """Logits [1, vocab] for one token id (``token``, shape [1]) at ``position`` ([1]) on top of ``cache``."""
+        x, cos, sin = self._embed(token, position)
+        d, half = self.head_dim, self.head_dim // 2
+        extra = {"kvchat_observer": observer} if observer is not None else {}
+        ops = self.without_ops is None and self.layers[0].qkv.linears[0].use_step  # not ``weights.as_loaded``
+        lens, held = None, None  # kvchat::block's lengths (each head's last slot) and (heads, slots) they are for
+        for i, lay in enumerate(self.layers):
+            nq, nk, _ = lay.split
+            layer = cache.layers[i]
+            n = layer.free_slot() if ops else None
+            if n is not None:  # the whole layer, its cache write (and H2O's sums) included, in one operator call
+                layer.claim(1)  # slot n: its position, zeroed statistics
+                sums = observer.step_sums(layer) if observer is not None else None
+                x, q, k, v, probs = torch.ops.kvchat.layer(x, lay.norm1.weight, lay.norm1.eps, lay.qkv.weight,
+                                                           lay.qkv.bias, cos, sin, nq, layer.keys, layer.values,
+                                                           layer.caps[0], n, lay.attn.scaling, lay.o.weight,
+                                                           lay.norm2.weight, lay.norm2.eps, lay.gate_up.weight,
+                                                           lay.down.weight, sums)
+                layer.staged(k, v)
+                if observer is not None:
+                    observer(lay.attn, q, layer.held_keys(), lay.attn.scaling, probs=[probs], summed=sums is not None)
+                continue
+            if ops:  # the norm, q/k/v and the rotary embedding of q and k in one operator call
+                qkv = torch.ops.kvchat.project(x, lay.norm1.weight, lay.norm1.eps, lay.qkv.weight, lay.qkv.bias, cos,
+                                               sin, nq + nk)
+                q, k = qkv[..., :nq].view(1, -1, 1, d), qkv[..., nq: nq + nk].view(1, -1, 1, d)
+            else:
+                qkv = lay.qkv(lay.norm1(x))
+                qk = qkv[..., : nq + nk].view(1, -1, 1, d)  # [1, query + key heads, 1, d]
+                qk = qk * cos + qk.roll(half, -1) * sin
+                q, k = qk[:, : nq // d], qk[:, nq // d:]
+            v = qkv[..., nq + nk:].view(1, -1, 1, d)
+            keys, values = layer.update(k, v)
+            if ops and not isinstance(keys, RaggedKV):  # the rest of the layer as one operator call
+                heads, n = keys.shape[1], keys.shape[2]
+                if held != (heads, n):  # layers of one length share them
+                    lens, held = torch.full((heads,), n - 1, dtype=torch.long), (heads, n)
+                qh = (q[0, :, 0] * lay.attn.scaling).view(heads, -1, d)
+                x, probs = torch.ops.kvchat.block(qh, keys[0], values[0], lens, x, lay.o.weight, lay.norm2.weight,
+                                                  lay.norm2.eps, lay.gate_up.weight, lay.down.weight)
+                if observer is not None:
+                    observer(lay.attn, q, keys, lay.attn.scaling, probs=[probs])
+                continue
+            out, _ = kvchat_attention(lay.attn, q, keys, values, None, scaling=lay.attn.scaling, **extra)
+            if ops:  # heads of different lengths (RaggedKV): attention as without the operators, the rest on them
+                x = x + torch.ops.kvchat.matvec(out.reshape(1, 1, -1), lay.o.weight)
+                gu = torch.ops.kvchat.project(x, lay.norm2.weight, lay.norm2.eps, lay.gate_up.weight, None, cos, sin,
+                                              0)
+                x = x + torch.ops.kvchat.matvec(lay.act(gu[..., : lay.inner]) * gu[..., lay.inner:], lay.down.weight)
+                continue
+            x = x + lay.o(out.reshape(1, 1, -1), widen=False)
+            gu = lay.gate_up(lay.norm2(x))
+            x = x + lay.down(lay.act(gu[..., : lay.inner]) * gu[..., lay.inner:], widen=False)
+        if ops:
+            return torch.ops.kvchat.project(x, self.norm.weight, self.norm.eps, self.head.step, self.head.bias, cos,
+                                            sin, 0)[0]
+        return self.head(self.norm(x))[0]

@@ -1,0 +1,112 @@
+"""Choosing what comes back, and putting it back.
+
+The best groups the cache has (mostly) evicted are chosen (``choose``) and ``compress.compress(..., bring=...)``
+puts them back into every layer and head, displacing the running policy's lowest-scored tokens: kept and recalled
+keys alike are the archived keys rotated once to their place in conversation order, so the cache stays a pure
+function of the archive and its slot state (and resumes exactly). They are protected while the message is read
+again and through the reply's first compression (``bring_back``); then the running policy keeps them as long as it
+scores them high enough.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..cache import compress
+from .score import QueryTap, relevance
+
+HELD_QUANTILE = 0.9  # a recalled group must outscore this share of the groups the cache holds
+
+
+def choose(relevance: torch.Tensor, spans: torch.Tensor, mean_held: torch.Tensor, has_content: torch.Tensor,
+           groups: int, tokens: int, threshold: float, message: torch.Tensor | None = None) -> list[list[int]]:
+    """The groups to bring back, best first: at most ``groups`` of them and ``tokens`` positions in all, each
+    scoring at least ``threshold``, holding more than template scaffolding (``has_content``, per group) and mostly
+    evicted now (``mean_held``: the share of its (layer, head, position) slots held, per group, below one half).
+    Each comes as a unit with the evicted groups right around it that are scaffolding, and with the next sentence
+    of the same message (``message``: the message of each group) where that is evicted too; units are consecutive
+    group indices, in conversation order."""
+    a, b = spans[:, 0], spans[:, 1]
+    # Only what the message wants more than most of what the cache already holds comes back.
+    present = relevance[(mean_held >= 0.5) & has_content & (relevance > 0)]
+    if present.numel() and HELD_QUANTILE > 0:
+        threshold = max(threshold, float(torch.quantile(present, HELD_QUANTILE)))
+    evicted = mean_held < 0.5
+    wanted = (evicted & has_content & (relevance > 0) & (relevance >= threshold)).nonzero().flatten()
+    order = wanted[relevance[wanted].argsort(descending=True)].tolist()
+    free = (evicted & ~has_content).tolist()  # evicted scaffolding groups, which come along with their neighbour
+    follows = [False] * len(free)  # the next group is the same message's next sentence, evicted
+    if message is not None and len(free) > 1:
+        follows = torch.cat([(message[1:] == message[:-1]) & evicted[1:], torch.tensor([False])]).tolist()
+    size = (b - a).tolist()
+    chosen, used, picked = [], 0, set()
+    for g in order:
+        if len(chosen) >= groups or used >= tokens:
+            break
+        if g in picked:
+            continue
+        # the template scaffolding right around it (the message's header, its end marker) comes with it, so the
+        # model reads it as the message it was; and the sentence after it in the same message, which often
+        # completes it (a name after "Dr.", the value a sentence introduces)
+        unit = [g]
+        if g > 0 and free[g - 1] and g - 1 not in picked:
+            unit.insert(0, g - 1)
+        if g + 1 < len(size) and (free[g + 1] or follows[g]) and g + 1 not in picked:
+            unit.append(g + 1)
+            if g + 2 < len(size) and free[g + 2] and not free[g + 1] and g + 2 not in picked:
+                unit.append(g + 2)
+        cost = sum(size[n] for n in unit)
+        if used + cost > tokens:
+            unit = [n for n in unit if n <= g]  # without the next sentence, if that is what does not fit
+            cost = sum(size[n] for n in unit)
+            if used + cost > tokens:
+                continue
+        chosen.append(unit)
+        picked.update(unit)
+        used += cost
+    return sorted(chosen)
+
+
+def held_share(cache, spans: torch.Tensor) -> torch.Tensor:
+    """[groups] the share of each group's (layer, KV head, position) slots the cache holds: its slots are counted
+    per group, so the cost follows the cache's size, not the conversation's."""
+    held = torch.cat([layer.positions().flatten().cpu() for layer in cache.layers if layer.is_initialized])
+    held = held[held >= 0]
+    pairs = sum(layer.heads for layer in cache.layers if layer.is_initialized)
+    group = torch.searchsorted(spans[:, 1].contiguous(), held, right=True)
+    inside = group < spans.shape[0]
+    group, held = group[inside], held[inside]
+    counts = torch.bincount(group[held >= spans[group, 0]], minlength=spans.shape[0]).float()
+    return counts / (max(pairs, 1) * (spans[:, 1] - spans[:, 0]).clamp(min=1))
+
+
+def plan(session, tap: QueryTap) -> dict:
+    """Score the archived groups against the queries ``tap`` kept and choose what comes back: {"recalled_tokens",
+    "recalled_groups", "recalled": [[start, end]] (a chosen group with the scaffolding around it), "bring": the
+    positions, "recall_ms"}."""
+    t0 = time.perf_counter()
+    s, archive = session.settings, session.archive
+    spans, digests, coarse = archive.digests.read()
+    out = {"recalled_tokens": 0, "recalled_groups": 0, "recalled": [], "bring": torch.zeros(0, dtype=torch.long)}
+    if spans.shape[0] and tap.queries:
+        rel = relevance(digests, coarse, archive.digests.layers, tap.unrotated(session.model.rotary), tap.scaling)
+        units = choose(rel, spans, held_share(session.cache, spans),
+                       archive.digests.has_content(spans, session.log, session.model.scaffolding_ids()),
+                       s.recall_groups, s.recall_limit, s.recall_threshold, session.log.at("message", spans[:, 0]))
+        if units:
+            found = [[int(spans[u[0], 0]), int(spans[u[-1], 1])] for u in units]
+            out.update(recalled=found, recalled_groups=len(units),
+                       bring=torch.cat([torch.arange(a, b) for a, b in found]))
+            out["recalled_tokens"] = int(out["bring"].numel())
+    out["recall_ms"] = 1000 * (time.perf_counter() - t0)
+    return out
+
+
+def bring_back(session, bring: torch.Tensor) -> None:
+    """Put the positions ``bring`` back into every layer and head, within the budget, and keep them there while the
+    message is read again and through the reply's first compression (so the reply's first ``slack`` tokens at
+    least see them); from there on the running policy keeps them as long as it scores them high enough."""
+    compress.compress(session, session.settings.budget, "recall", bring=bring)
+    session.recall_guard = torch.cat([session.recall_guard, bring])
