@@ -1,8 +1,10 @@
-"""The README's tables of policies and flags, generated from the declarations (the policies' classes and
-``core/settings.py``) so they cannot drift from the code.
+"""The documentation's generated tables: the policies in README.md, the flags in docs/usage.md.
 
-``python -m kvchat.app.docs`` prints both tables; ``--write`` puts them into README.md between the marker comments
-``<!-- generated: NAME -->`` and ``<!-- end -->``; ``--check`` exits with status 1 if README.md differs.
+Both are built from the declarations (the policies' classes and ``core/engine/settings.py``), so they cannot drift
+from the code.
+
+``python -m kvchat.app.docs`` prints both tables; ``--write`` puts each into its file between the marker comments
+``<!-- generated: NAME -->`` and ``<!-- end -->``; ``--check`` exits with status 1 if either file differs.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import re
 import sys
 from pathlib import Path
 
-from ..core.settings import CACHE_SETTINGS, SAMPLING_SETTINGS
+from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS
 from ..policies import POLICIES, Param
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+USAGE = ROOT / "docs" / "usage.md"
 
 #: Flags of chat, replay and serve that are not engine settings: (flag, default, meaning).
 OTHER_FLAGS = (
@@ -27,9 +31,9 @@ OTHER_FLAGS = (
      "`half`: an fp16 copy of the linear weights for one-token decode steps (prefill, activations and cache as "
      "loaded; +50% weight memory for fp32); `model`: as loaded; `auto`: `half` for an fp32 model on the CPU"),
     ("`--decode`", "auto",
-     "`auto`: one-token steps of Llama-family models (Llama, Mistral, Qwen2) run in kvchat's step (`core/step.py`: the "
+     "`auto`: one-token steps of Llama-family models (Llama, Mistral, Qwen2) run in kvchat's step (`core/decode`: the "
      "model's computation without transformers' per-module dispatch; with `--weights half` and a C++ compiler on "
-     "kvchat's operators, `core/kernels.py`: one call per layer), other "
+     "kvchat's operators, `core/ops/kernels.py`: one call per layer), other "
      "models through their forward; `compiled`: that step, every layer in one `torch.compile` graph (fp32 models on "
      "the CPU; a minute or two to compile the first time, seconds once inductor's cache has it; eager step if "
      "compiling fails); `model`: every step through the model's forward"),
@@ -73,38 +77,51 @@ def flag_table() -> str:
 
 
 TABLES = {"policies": policy_table, "flags": flag_table}
+#: Which generated tables each file holds: ``--readme`` holds the policies, ``--usage`` the flags.
+PLACES = {"readme": ("policies",), "usage": ("flags",)}
 
 
-def render(text: str) -> str:
-    """``text`` with every generated block replaced by the current table (ValueError if a marker is missing)."""
-    for name, table in TABLES.items():
+def render(text: str, names: tuple[str, ...] = tuple(TABLES)) -> str:
+    """``text`` with the generated blocks ``names`` replaced by the current tables (ValueError if a marker is
+    missing)."""
+    for name in names:
+        table = TABLES[name]
         pattern = re.compile(rf"(<!-- generated: {name} -->\n).*?(\n<!-- end -->)", re.S)
         if not pattern.search(text):
-            raise ValueError(f"no '<!-- generated: {name} -->' ... '<!-- end -->' block in the README")
+            raise ValueError(f"no '<!-- generated: {name} -->' ... '<!-- end -->' block")
         text = pattern.sub(lambda m, t=table(): m.group(1) + t + m.group(2), text, count=1)
     return text
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvchat.app.docs", description=__doc__.strip().splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="update README.md in place")
-    parser.add_argument("--check", action="store_true", help="status 1 if README.md's tables are not current")
-    parser.add_argument("--readme", type=Path, default=README)
+    parser.add_argument("--write", action="store_true", help="update README.md and docs/usage.md in place")
+    parser.add_argument("--check", action="store_true", help="status 1 if a generated table is not current")
+    parser.add_argument("--readme", type=Path, default=README, help="the file holding the policies table")
+    parser.add_argument("--usage", type=Path, default=USAGE, help="the file holding the flags table")
     args = parser.parse_args(argv)
     if not (args.write or args.check):
         print(policy_table() + "\n\n" + flag_table())
         return 0
-    text = args.readme.read_text(encoding="utf-8")
-    new = render(text)
-    if args.check:
-        if new != text:
-            print(f"{args.readme}: the generated tables are out of date (python -m kvchat.app.docs --write)",
-                  file=sys.stderr)
+    rendered = []
+    for key, names in PLACES.items():
+        path = getattr(args, key)
+        text = path.read_text(encoding="utf-8")
+        try:
+            rendered.append((path, names, text, render(text, names)))
+        except ValueError as e:
+            print(f"{path}: {e}", file=sys.stderr)
             return 1
-        return 0
-    if new != text:
-        args.readme.write_text(new, encoding="utf-8")
-    print(f"{args.readme}: tables {'updated' if new != text else 'already current'}")
+    if args.check:
+        stale = [path for path, _, text, new in rendered if new != text]
+        for path in stale:
+            print(f"{path}: the generated tables are out of date (python -m kvchat.app.docs --write)",
+                  file=sys.stderr)
+        return 1 if stale else 0
+    for path, names, text, new in rendered:
+        if new != text:
+            path.write_text(new, encoding="utf-8")
+        print(f"{path}: {', '.join(names)} table {'updated' if new != text else 'already current'}")
     return 0
 
 

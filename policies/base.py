@@ -23,7 +23,7 @@ _KINDS = {int: "a whole number", float: "a finite number", bool: "true or false"
 class Param:
     """A declared setting: a policy's parameter, or one of the engine's (core/engine/settings.py).
 
-    The CLI flags, the chat's /set help, the web UI's settings panel, ``kvchat policies`` and the README's tables
+    The CLI flags, the chat's /set help, the web UI's settings panel, ``kvchat policies`` and the tables of README.md and docs/usage.md
     are generated from these declarations."""
 
     name: str

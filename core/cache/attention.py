@@ -11,7 +11,7 @@ differences the cache needs:
 A decode step on the CPU (one query token, fp32) runs as two batched products and a softmax per layer
 (``decode_attention``), which measured as fast as SDPA's kernel here and leaves the probabilities at hand: H2O's
 accumulated attention then costs no second pass over the keys (170 against 282 us per layer of 1,068 positions,
-README). Every policy and the full cache take the same path, so equivalences between them stay exact.
+docs/speed.md). Every policy and the full cache take the same path, so equivalences between them stay exact.
 
 When the engine passes ``kvchat_observer`` (transformers forwards extra keyword arguments of the model's forward
 down to the attention function), the observer receives the layer's query and key states and records the attention

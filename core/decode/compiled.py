@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 # Inductor's options for the graph: its wrapper in C++ rather than Python (hundreds of kernel and product calls per
 # step), no size checks of the inputs on each call (dynamo's guards check the shapes already). About 1 ms of a 17-18
-# ms step on this project's machine (README, Speed).
+# ms step on this project's machine (docs/speed.md).
 OPTIONS = {"cpp_wrapper": True, "size_asserts": False}
 # The arguments whose guards the graph goes without (``_unguarded``): the weights.
 WEIGHTS = ("params", "final")
@@ -37,7 +37,7 @@ def _graph_product(x: torch.Tensor, copies: bool, pieces: tuple, *, ops: bool) -
     input's norm fused in (inductor drops an fp16 round trip within a kernel even when written out). On this
     project's machine the reduction kernels made the step 18.5, 19.1 and 15.8 ms against 20.4, 22.0 and 16.5 with the
     fp16 GEMM (three ad-hoc runs), and ``matvec`` 14.9 against 16.0 for the reduction kernels (ten replies, the two
-    alternating token by token; README, Speed). The loaded layers (``copies`` False) multiply as ``product`` does."""
+    alternating token by token; docs/speed.md). The loaded layers (``copies`` False) multiply as ``product`` does."""
     if not copies:
         return product(x, copies, pieces)
     weight, bias = pieces[0]

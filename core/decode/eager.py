@@ -3,7 +3,7 @@
 A decode step on the CPU is many small pieces of work: per layer seven products with one token's vector, two norms,
 the rotary embedding, the cache update and attention. Through the model's ``forward`` each of them also pays
 transformers' module calls, keyword plumbing and per-projection casts: on this project's machine the small
-operations of a step took longer than its products (README, Speed). ``DecodeStep`` runs the same computation for
+operations of a step took longer than its products (docs/speed.md). ``DecodeStep`` runs the same computation for
 one token, in one of two ways:
 
 * on kvchat's operators (core/ops/kernels.py), where the fp16 copies of ``--weights half`` are in use, the model is fp32
@@ -37,7 +37,7 @@ replies either way; ``kvchat::layer`` gives the bits of its three parts and of t
 project's machine the step without the operators saved 5-6 ms of a 30-32 ms step against the model's forward, the
 operators took the reply loop from about 22 to 12.4-14.1 ms per token (alternating with the step without them,
 ``streaming`` at budget 1024), and ``kvchat::layer`` saved another 0.9-1.4 ms a token against its three parts
-(``streaming``; 1.6-2.5 ms for ``h2o``), and H2O's sums inside it 0.8-2.1 ms against the observer's (README, Speed).
+(``streaming``; 1.6-2.5 ms for ``h2o``), and H2O's sums inside it 0.8-2.1 ms against the observer's (docs/speed.md).
 """
 
 from __future__ import annotations

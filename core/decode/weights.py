@@ -1,7 +1,7 @@
 """How the linear layers' weights are held: as loaded, or with an fp16 copy for fast CPU decoding (``--weights``).
 
 A decode step reads every weight of the model once, for one token: it is bound by memory, and on the CPU it runs on
-PyTorch's matrix-vector kernels. Measured on this project's machine (README, Speed), an fp16 weight matrix times one
+PyTorch's matrix-vector kernels. Measured on this project's machine (docs/speed.md), an fp16 weight matrix times one
 token's vector runs about 4x faster than fp32 (half the bytes and a better kernel); for a read of many tokens fp16 is
 several times slower than fp32, and bf16 activations there turn near-ties of greedy answers (the default model
 answered "What is the capital of France?" with French gibberish). ``half`` therefore keeps the loaded weight for
@@ -14,7 +14,7 @@ bytes. Norms, attention and the KV cache stay in the model's dtype.
 
 The decode step (core/decode) moves the fp16 copies into one block of memory backed by 2 MiB pages where Linux
 allows (``on_huge_pages``): a step reads all ~270 MB of them, and with 4 KiB pages that is ~66,000 pages' address
-translations per token, far more than the TLB holds. On this project's machine (README, Speed) that made the
+translations per token, far more than the TLB holds. On this project's machine (docs/speed.md) that made the
 compiled step's replies 12.3 ms per token against 12.9.
 """
 

