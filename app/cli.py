@@ -142,8 +142,9 @@ def cmd_replay(args) -> int:
                     bar.update(1)
         except BaseException:
             bar.close()
-            session.close()  # its archive goes if no turn of it was stored; the stored turns stay
             raise
+        finally:
+            session.close()  # its files go if no turn of it was stored (--no-save: recall's temporary digests)
         summary.total_tokens = session.total_tokens
         overall.total_tokens += session.total_tokens
         if len(scripts) > 1:

@@ -29,7 +29,7 @@ from .views import Live, cache_view, charts, chat_messages, head_map  # noqa: E4
 
 CHART_EVERY_S = 1.0  # chart refresh while a reply streams
 MAX_MESSAGE_CHARS = 100_000  # longer messages are refused: their prefill cannot be stopped and holds the model
-USER_ERRORS = (ValueError, ContextFullError, CapacityError)
+USER_ERRORS = (ValueError, ContextFullError, CapacityError, OSError)  # OSError: the disk refused (full, read-only)
 
 def _error(text: str) -> str:
     return f'<span class="kv-error">⚠ {text}</span>'

@@ -5,14 +5,16 @@ turns, if later) is reported in MB per 1000 turns, and the RSS growth from the t
 checked (under 50 MB). The session keeps 4 bytes of token metadata per token ever fed (its id; role, turn, message
 and sentence as runs), the expected residual growth.
 
-With ``--store`` the replay is a stored conversation as a chat is (SQLite, the archive, the digests, every turn
-committed), and the database's and the archive's bytes are sampled too. At the turns ``--decode-at`` (and the last)
+With ``--store`` the replay is a stored conversation as a chat is (SQLite, the cache's rows, the turn's state file
+and, with ``--recall on``, recall's digests capped by ``--archive-mb``; every turn committed), and each one's bytes
+on disk are sampled too. At the turns ``--decode-at`` (and the last)
 ``--decode-repeats`` replies of ``--decode-steps`` greedy tokens are generated as part of the chat, and each one's
 decode ms/token (the median step) recorded, the least of them kept. Between them the same reply is timed on a short
 reference chat (same settings, its cache just as full, in the same process): what the machine's own speed does
 between two measurement points (a shared CPU's load, its clock) shows there, and the long chat's ratio to the
 reference at each point is what its length costs. The soak of a long chat: ``--turns 10000 --store``, once per policy
-(``--policies streaming h2o``).
+(``--policies streaming h2o``), with ``--recall off`` (disk flat once the cache is full) and ``--recall on
+--archive-mb 64`` (the digests held at their cap).
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", nargs="+", default=["streaming"])
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--store", action="store_true",
-                   help="replay as a stored conversation (SQLite, archive, digests) and sample their bytes")
+                   help="replay as a stored conversation (SQLite, rows, state file, digests) and sample their bytes")
+    p.add_argument("--recall", choices=("on", "off"), default="on", help="recall (its digests on disk; default on)")
+    p.add_argument("--archive-mb", type=float, default=1024.0, help="recall's archive cap per conversation (MB)")
     p.add_argument("--decode-at", type=int, nargs="+", default=[100],
                    help="turns (and the last) at which a reply's decode ms/token is measured")
     p.add_argument("--decode-steps", type=int, default=32)
@@ -58,8 +62,20 @@ def slope_per_1000(xs: list[float], ys: list[float]) -> float:
 
 
 def _bytes(*paths: Path) -> int:
-    return sum(f.stat().st_size for p in paths for f in ([p] if p.is_file() else p.glob("*") if p.is_dir() else [])
+    return sum(f.stat().st_size for p in paths for f in ([p] if p.is_file() else p.rglob("*") if p.is_dir() else [])
                if f.is_file())
+
+
+DISK = ("sqlite", "rows", "state", "digests")  # what a stored conversation keeps, sampled after every turn
+
+
+def disk(store, session) -> tuple[int, ...]:
+    """Bytes on disk: SQLite (with its WAL), the cache's rows, the state file(s), recall's digests."""
+    if store is None:
+        return (0,) * len(DISK)
+    folder = session.files.folder
+    return (_bytes(store.path, Path(f"{store.path}-wal")), _bytes(folder / "rows.bin"),
+            _bytes(*folder.glob("state-*")), _bytes(folder / "digests"))
 
 
 def replay(cm, settings: Settings, pairs: list[tuple[str, str]], turns: int, args, prompt: str,
@@ -90,8 +106,8 @@ def replay(cm, settings: Settings, pairs: list[tuple[str, str]], turns: int, arg
             session.exchange(*pairs[(t - 1) % len(pairs)])
         if filled is None and session.evicted_total:
             filled = t
-        disk = (_bytes(store.path, Path(f"{store.path}-wal")), _bytes(session.archive.folder)) if store else (0, 0)
-        samples.append((t, session.cache_bytes, rss_mb(), session.cache_tokens, *disk))
+        samples.append((t, session.cache_bytes, rss_mb(), session.cache_tokens, session.total_tokens,
+                        *disk(store, session)))
     after = [s for s in samples if filled is not None and s[0] >= max(filled, turns // 10)]
     xs = [s[0] for s in after]
     out = {"policy": settings.policy, "budget": settings.budget, "turns": turns, "tokens": session.total_tokens,
@@ -102,16 +118,19 @@ def replay(cm, settings: Settings, pairs: list[tuple[str, str]], turns: int, arg
            "rss_mb_slope": slope_per_1000(xs, [s[2] for s in after]),
            "token_log_bytes": session.stats()["token_log_bytes"], "decode": decode,
            "stored": store is not None,
-           "samples": [[s[0], round(s[1] / 2**20, 3), round(s[2], 1), s[4], s[5]] for s in samples]}
+           "recall": settings.recall, "archive_mb": settings.archive_mb,
+           "samples": [[s[0], round(s[1] / 2**20, 3), round(s[2], 1), s[4], *s[5:]] for s in samples]}
     if len(decode) > 1:
         first, last = decode[0], decode[-1]
         out["decode_ratio"] = last["decode_ms_per_token"] / first["decode_ms_per_token"]
         out["decode_ratio_to_reference"] = ((last["decode_ms_per_token"] / last["reference_ms_per_token"])
                                             / (first["decode_ms_per_token"] / first["reference_ms_per_token"]))
     if store is not None:
-        out.update(sqlite_bytes=samples[-1][4], archive_bytes=samples[-1][5],
-                   sqlite_bytes_per_turn=samples[-1][4] / turns, archive_bytes_per_token=samples[-1][5] / max(
-                       session.total_tokens, 1))
+        last = dict(zip(DISK, samples[-1][5:]))
+        out.update({f"{k}_bytes": v for k, v in last.items()}, sqlite_bytes_per_turn=last["sqlite"] / turns,
+                   digests_bytes_per_token=last["digests"] / max(session.total_tokens, 1),
+                   disk_at={t: dict(zip(("tokens", *DISK), s[4:])) for s in samples for t in [s[0]]
+                            if t in (1000, 5000, turns) or t == turns})
         session.close()
         store.close()
     return out
@@ -125,8 +144,8 @@ def run(args, run: Run, cm) -> None:
     run.rows = {"runs": []}
     for p in args.policies:
         with tempfile.TemporaryDirectory(prefix="kvchat-bench-memory-") as tmp:
-            r = replay(cm, Settings(policy=p, budget=args.budget), pairs, args.turns, args, prompt,
-                       Path(tmp) if args.store else None)
+            r = replay(cm, Settings(policy=p, budget=args.budget, recall=args.recall, archive_mb=args.archive_mb),
+                       pairs, args.turns, args, prompt, Path(tmp) if args.store else None)
         run.rows["runs"].append(r)
         log(f"memory {p:10s} {r['turns']} turns, {r['tokens']} tokens: cache {r['cache_bytes_last'] / 2**20:.1f} MiB "
             f"(slope {r['cache_mb_slope']:.3f} MB/1000 turns), RSS {r['rss_mb_last']:.0f} MB "
@@ -170,9 +189,9 @@ def plot(result: dict, plots, plt) -> list:
         ax = axes[0][1]
         for r in runs:
             s = r["samples"]
-            if len(s[0]) > 3:
-                ax.plot([x[0] for x in s], [x[3] / 2**20 for x in s], label=f"SQLite, {r['policy']}")
-                ax.plot([x[0] for x in s], [x[4] / 2**30 * 1024 for x in s], ls="--", label=f"archive, {r['policy']}")
+            for i, (name, style) in enumerate(zip(DISK, ("-", "--", ":", "-."))):
+                if len(s[0]) > 4 + i and any(x[4 + i] for x in s):
+                    ax.plot([x[0] for x in s], [x[4 + i] / 2**20 for x in s], ls=style, label=f"{name}, {r['policy']}")
         ax.set_xlabel("turn")
         ax.set_ylabel("MiB on disk")
         ax.set_yscale("log")
@@ -190,14 +209,17 @@ def markdown(result: dict) -> str:
                      f"{r['rss_mb_slope']:.2f} |")
     runs = [r for r in result["results"]["runs"] if r.get("stored") or r.get("decode")]
     if runs:
-        lines += ["", "| policy | SQLite bytes per turn (file at the end) | archive bytes per token (at the end) | "
-                  "token log MiB | decode ms/token at turns (a short chat's beside it) |", "| --- " * 5 + "|"]
+        lines += ["", "| policy | recall | SQLite bytes per turn (file at the end) | rows MiB | state file MiB | "
+                  "digests bytes per token (MiB) | token log MiB | decode ms/token at turns (a short chat's beside it) |",
+                  "| --- " * 8 + "|"]
         for r in runs:
             dec = ", ".join(f"{d['decode_ms_per_token']:.1f} @ {d['turn']}"
                             + (f" (reference {d['reference_ms_per_token']:.1f})" if "reference_ms_per_token" in d else "")
                             for d in r.get("decode", []))
             disk = (f"{r['sqlite_bytes_per_turn']:,.0f} ({r['sqlite_bytes'] / 2**20:.1f} MiB) | "
-                    f"{r['archive_bytes_per_token']:,.0f} ({r['archive_bytes'] / 2**30:.2f} GiB)"
-                    if r.get("stored") else "– | –")
-            lines.append(f"| {r['policy']} | {disk} | {r.get('token_log_bytes', 0) / 2**20:.1f} | {dec or '–'} |")
+                    f"{r['rows_bytes'] / 2**20:.1f} | {r['state_bytes'] / 2**20:.2f} | "
+                    f"{r['digests_bytes_per_token']:,.0f} ({r['digests_bytes'] / 2**20:.1f})"
+                    if r.get("stored") and "rows_bytes" in r else "– | – | – | –")
+            lines.append(f"| {r['policy']} | {r.get('recall', '–')} | {disk} | {r.get('token_log_bytes', 0) / 2**20:.1f} "
+                         f"| {dec or '–'} |")
     return "\n".join(lines)

@@ -35,7 +35,7 @@ import torch
 from ..core.recall import choose as recall_engine
 from ..core.recall.choose import choose
 from ..core.recall.digest import REPS
-from ..core.recall.score import COARSE_DTYPE, QUERY_ROWS, coarse_index, relevance, scoring_layers
+from ..core.recall.score import QUERY_ROWS, relevance, scoring_layers
 from ..core.engine.session import Sampling, Session
 from ..core.engine.settings import Settings
 from ..policies import POLICIES
@@ -166,7 +166,7 @@ def run_case(cm, settings: Settings, case: dict, after: int, max_new_tokens: int
     out = {"generated_hit": case["expect"].lower() in reply.answer.lower(), "answer": reply.answer,
            "probe_hit": bool(probe.hit), "nll": probe.expect_nll, "history": session.total_tokens - probe.prompt_tokens,
            "evicted": session.evicted_total, "ttft_ms": reply.prefill_ms, "recall_ms": reply.recall_ms,
-           "recalled_tokens": reply.recalled_tokens, "archive_tokens": session.archive.n if session.archive else 0,
+           "recalled_tokens": reply.recalled_tokens, "archive_tokens": session.total_tokens,
            "putback_ms": reply.recall_ms - scoring[0] if reply.recalled_tokens else None}
     session.close()
     if session.conversation_id is not None:
@@ -212,9 +212,14 @@ def replay_nll(cm, settings: Settings, data: Path, turns: int, store: Store) -> 
 
 
 def scoring_cost(cm, sizes: list[int], group_tokens: float, seed: int) -> list[dict]:
-    """Recall's scoring (relevance over every digest, then the choice) against archives of ``sizes`` tokens; the
-    digests are random (the cost does not depend on their values), the queries a 20-token message's and a long
-    message's (the ``QUERY_ROWS`` rows kept at most)."""
+    """Recall's scoring (relevance over every digest, then the choice) against archives of ``sizes`` tokens: random
+    digests (the cost does not depend on their values) written to a digest store as a chat writes them (int8,
+    on disk) and read back as recall reads them, the queries a 20-token message's and a long message's (the
+    ``QUERY_ROWS`` rows kept at most)."""
+    import tempfile
+
+    from ..core.recall.digest import Digests
+
     gen = torch.Generator().manual_seed(seed)
     layers = scoring_layers(cm.num_layers)
     cfg = cm.model.config
@@ -223,21 +228,26 @@ def scoring_cost(cm, sizes: list[int], group_tokens: float, seed: int) -> list[d
     rows = []
     for size in sizes:
         groups = max(1, round(size / group_tokens))
-        digests = torch.randn(groups, len(layers), heads, REPS, kdim, generator=gen).half()
-        coarse = digests[:, coarse_index(layers), :, 0].permute(1, 2, 0, 3).to(COARSE_DTYPE).contiguous()
         spans = torch.stack([torch.arange(groups), torch.arange(groups) + 1], 1) * round(group_tokens)
+        folder = tempfile.mkdtemp(prefix="kvchat-recall-cost-")
+        store = Digests(folder, cm.num_layers, cm.rotary, cap_mb=1 << 20)
+        for start in range(0, groups, 4096):
+            block = torch.randn(min(4096, groups - start), len(layers), heads, REPS, kdim, generator=gen)
+            store.append(block, spans[start: start + block.shape[0]])
+        _, digests, coarse = store.read()
         held = torch.zeros(groups)
         content = torch.ones(groups, dtype=torch.bool)
-        row = {"archive_tokens": size, "groups": groups, "digest_mb": digests.numel() * 2 / 2**20}
+        row = {"archive_tokens": size, "groups": groups, "digest_mb": store.nbytes / 2**20}
         for key, n in (("ms", 20), ("ms_long", QUERY_ROWS)):
             queries = {li: torch.randn(qheads, n, kdim, generator=gen) for li in layers}
             times = []
             for _ in range(5):
                 t = time.perf_counter()
-                rel = relevance(digests.numpy(), coarse, layers, queries, {})
+                rel = relevance(digests, coarse, layers, queries, {})
                 choose(rel, spans, held, content, 6, 64, 0.0)
                 times.append(1000 * (time.perf_counter() - t))
             row[key] = statistics.median(times)
+        store.delete()
         rows.append(row)
         log(f"recall scoring at {size:7d} archived tokens ({groups} groups): {row['ms']:.1f} ms (20-token message), "
             f"{row['ms_long']:.1f} ms ({QUERY_ROWS} query rows)")
@@ -358,10 +368,10 @@ def markdown(result: dict) -> str:
         total = per_message(res)
         if total:
             lines += ["", f"Putting the chosen groups back (the session marked before the message's first read and "
-                          f"put back after it, the groups read from the archive and rotated into every layer and head, "
-                          f"all layers at once) took {total['putback_mean']:.1f} ms on "
-                          f"average, {total['putback_max']:.1f} at most, over the {total['recalls']} questions above "
-                          f"that recalled something; it reads only the kept and recalled positions, whatever the "
+                          f"put back after it, room made, the groups read again from their tokens at the end of the cache "
+                          f"and every layer and head put back in conversation order) took {total['putback_mean']:.1f} "
+                          f"ms on average, {total['putback_max']:.1f} at most, over the {total['recalls']} questions "
+                          f"above that recalled something; it reads only the recalled tokens, whatever the "
                           f"archive's size. Recall per user message at {total['archive_tokens']:,} archived tokens, "
                           f"scoring plus the average put-back: {total['ms']:.1f} ms for a 20-token message"
                           + (f", {total['ms_long']:.1f} ms for a long one." if total.get("ms_long") else ".")

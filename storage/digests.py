@@ -1,130 +1,164 @@
-"""Recall's digests on disk, beside a conversation's archive: per sentence group ``digest.bin`` ([layers, heads,
-reps, key dim] float16), ``coarse.bin`` ([coarse layers, heads, key dim] float16) and ``groups.bin`` (int32 start
-and end position), appended as turns close, synced with the archive, truncated with it after a crash or an undo.
-What a digest holds, and how it is computed and scored, is core/recall's."""
+"""Recall's archive on disk: one fixed-size record per sentence group (its span and its digest, core/recall/digest.py),
+in segment files of ``segment`` records each (``digests/000000.bin``, ...), capped.
+
+Records are appended when a turn closes. The store keeps the groups ``[first, end)``: when the files pass the cap,
+the oldest whole segments are forgotten (``forget``): they leave the live window at once and their files are deleted
+by ``drop_forgotten`` once the turn that forgot them has committed, so a crash before that reopens the window the
+last committed turn names (it is saved with the turn's state, storage/statefile.py) with every file it needs. What a
+record holds is the engine's (``fields``: name, numpy dtype, shape), written once in ``digests/layout.json``.
+"""
 
 from __future__ import annotations
 
-import os
+import json
 from pathlib import Path
 
 import numpy as np
 
-from .archive import fsync_dir
+from .files import fsync_dir, fsync_file, size as _size
 
-FILES = ("digest.bin", "coarse.bin", "groups.bin")
+FOLDER = "digests"
 
 
-class DigestFiles:
-    """Append-only group records in three files of fixed-size rows; ``layout`` (heads, key dim, scoring layers,
-    reps, coarse layers) is known from ``digest.txt`` (heads, key dim and the scoring layers) and ``shape``, the
-    engine's (reps, coarse layers) for those scoring layers."""
+class DigestStore:
+    def __init__(self, folder: Path):
+        self.folder = Path(folder) / FOLDER
+        self.dtype: np.dtype | None = None
+        self.segment = 0  # records per segment file
+        self.first = self.end = 0  # the live groups: [first, end), by their index since the conversation began
+        self.meta: dict = {}  # what the engine wrote with the layout
+        self._maps: dict[int, np.memmap] = {}
+        self._dirty: set[int] = set()  # segments written since the last ``sync``
+        if (self.folder / "layout.json").is_file():
+            layout = json.loads((self.folder / "layout.json").read_text())
+            self.dtype = np.dtype([(name, dt, tuple(shape)) for name, dt, shape in layout["fields"]])
+            self.segment = layout["segment"]
+            self.meta = layout.get("meta", {})
+            found = sorted(int(p.stem) for p in self.folder.glob("*.bin"))
+            if found:
+                self.first = found[0] * self.segment
+                last = found[-1]
+                self.end = last * self.segment + _size(self._path(last)) // self.dtype.itemsize
 
-    def __init__(self, folder: Path, shape):
-        self.folder = Path(folder)
-        self._shape = shape
-        self.count = 0  # groups written
-        self.covered = 0  # positions digested (the end of the last group)
-        self.layout: tuple[int, int, list[int], int, int] | None = None
-        self._files = None
-        if (self.folder / "digest.txt").is_file():
-            heads, kdim, *layers = map(int, (self.folder / "digest.txt").read_text().split())
-            self.layout = (heads, kdim, layers, *shape(layers))
-            self.count = min(_size(self.folder / name) // size for name, size in zip(FILES, self.record_bytes))
-            self._cut(self.count)  # a crash may have left one file a record ahead of the others
-            if self.count:
-                self.covered = int(self.spans()[-1, 1])
-
-    def start(self, heads: int, kdim: int, layers: list[int]) -> None:
+    def start(self, fields: list[tuple[str, str, tuple]], segment: int, meta: dict | None = None) -> None:
+        """The records' fields (name, numpy dtype, shape), ``segment`` records per file, and what else the engine
+        wants kept with them (``meta``)."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        self.layout = (heads, kdim, list(layers), *self._shape(layers))
-        (self.folder / "digest.txt").write_text(" ".join(map(str, [heads, kdim, *layers])) + "\n")
+        self.dtype = np.dtype([(name, dt, tuple(shape)) for name, dt, shape in fields])
+        self.segment, self.meta = segment, dict(meta or {})
+        (self.folder / "layout.json").write_text(json.dumps({"fields": [[n, d, list(s)] for n, d, s in fields],
+                                                             "segment": segment, "meta": self.meta}))
         fsync_dir(self.folder)
+        fsync_dir(self.folder.parent)
 
     @property
-    def record_bytes(self) -> tuple[int, int, int]:
-        """Bytes per group in each of ``FILES``."""
-        heads, kdim, layers, reps, coarse = self.layout
-        return len(layers) * heads * reps * kdim * 2, coarse * heads * kdim * 2, 8
+    def count(self) -> int:
+        return self.end - self.first
 
-    def append(self, digests: np.ndarray, coarse: np.ndarray, spans: np.ndarray) -> None:
-        """Groups' digests [g, layers, heads, reps, kdim] and coarse keys [g, coarse layers, heads, kdim] (float16),
-        and their [start, end) spans [g, 2]."""
-        files = self._open()
-        files[0].write(digests.astype(np.float16).tobytes())
-        files[1].write(coarse.astype(np.float16).tobytes())
-        files[2].write(spans.astype(np.int32).tobytes())
-        self.count += spans.shape[0]
-        self.covered = int(spans[-1, 1]) if spans.shape[0] else self.covered
+    @property
+    def record_bytes(self) -> int:
+        return self.dtype.itemsize if self.dtype is not None else 0
 
-    def _open(self):
-        if self._files is None:
-            self._files = tuple(open(self.folder / name, "ab") for name in FILES)
-        return self._files
+    def _path(self, seg: int) -> Path:
+        return self.folder / f"{seg:06d}.bin"
 
-    def _flush(self) -> None:
-        if self._files is not None:
-            for f in self._files:
-                f.flush()
-
-    def spans(self) -> np.ndarray:
-        """[count, 2] each group's start and end position."""
-        self._flush()
-        return np.fromfile(self.folder / "groups.bin", dtype=np.int32, count=2 * self.count).reshape(-1, 2)
-
-    def digests(self) -> np.ndarray:
-        """[count, layers, heads, reps, kdim] float16, a read-only memory map (only the rows read are read)."""
-        self._flush()
-        heads, kdim, layers, reps, _ = self.layout
-        return np.memmap(self.folder / "digest.bin", dtype=np.float16, mode="r",
-                         shape=(self.count, len(layers), heads, reps, kdim))
-
-    def coarse(self) -> np.ndarray:
-        """[count, coarse layers, heads, kdim] float16."""
-        self._flush()
-        heads, kdim, _, _, coarse = self.layout
-        return np.fromfile(self.folder / "coarse.bin", dtype=np.float16,
-                           count=self.count * coarse * heads * kdim).reshape(self.count, coarse, heads, kdim)
-
-    def _cut(self, count: int) -> None:
-        for name, size in zip(FILES, self.record_bytes):
-            if _size(self.folder / name) > count * size:
-                with open(self.folder / name, "r+b") as f:
-                    f.truncate(count * size)
+    def append(self, records: np.ndarray) -> None:
+        """Write ``records`` (of ``dtype``) after the last; ``sync`` makes them durable."""
+        i = 0
+        while i < len(records):
+            seg, at = divmod(self.end, self.segment)
+            take = min(len(records) - i, self.segment - at)
+            with open(self._path(seg), "ab") as f:
+                if f.tell() != at * self.record_bytes:
+                    f.truncate(at * self.record_bytes)
+                    f.seek(at * self.record_bytes)
+                f.write(records[i: i + take].tobytes())
+            self._maps.pop(seg, None)
+            self._dirty.add(seg)
+            self.end += take
+            i += take
 
     def sync(self) -> None:
-        if self._files is not None:
-            for f in self._files:
-                f.flush()
-                os.fsync(f.fileno())
+        """Make every record appended since the last sync durable (and the files they went to)."""
+        for seg in sorted(self._dirty):
+            if self._path(seg).is_file():
+                fsync_file(self._path(seg))
+        if self._dirty:
+            fsync_dir(self.folder)
+        self._dirty.clear()
 
-    def truncate(self, n: int) -> int:
-        """Forget the groups that end after position ``n``; returns how many groups are left."""
-        if not self.count:
-            return 0
-        spans = self.spans()
-        self.close()
-        keep = int(np.searchsorted(spans[:, 1], n, side="right"))
-        self._cut(keep)
-        self.count = keep
-        self.covered = int(spans[keep - 1, 1]) if keep else 0
-        return keep
+    def _map(self, seg: int) -> np.memmap:
+        m = self._maps.get(seg)
+        n = _size(self._path(seg)) // self.record_bytes
+        if m is None or m.shape[0] != n:
+            m = self._maps[seg] = np.memmap(self._path(seg), dtype=self.dtype, mode="r", shape=(n,))
+        return m
 
-    def close(self) -> None:
-        if self._files is not None:
-            for f in self._files:
-                f.close()
-            self._files = None
+    def field(self, name: str, index: np.ndarray | None = None) -> np.ndarray:
+        """Field ``name`` of the live records (or of those at live positions ``index``), in order."""
+        if index is None:
+            index = np.arange(self.count)
+        index = np.asarray(index, dtype=np.int64) + self.first
+        out = np.empty((len(index), *self.dtype[name].shape), dtype=self.dtype[name].base)
+        segs = index // self.segment
+        for seg in np.unique(segs):
+            sel = segs == seg
+            out[sel] = self._map(int(seg))[name][index[sel] - seg * self.segment]
+        return out
+
+    def forget(self, cap_bytes: int) -> bool:
+        """Leave the oldest whole segments out of the live window while the live ones pass ``cap_bytes`` (the
+        newest segment always stays); whether any were."""
+        before = self.first
+        while self.first // self.segment < (self.end - 1) // self.segment and \
+                self._live_bytes() > cap_bytes:
+            self.first = (self.first // self.segment + 1) * self.segment
+        return self.first != before
+
+    def _live_bytes(self) -> int:
+        return (self.count + self.first % self.segment) * self.record_bytes
+
+    def drop_forgotten(self) -> None:
+        """Delete the segment files wholly before the live window (once the state that forgot them committed)."""
+        for p in self.folder.glob("*.bin"):
+            if int(p.stem) < self.first // self.segment:
+                p.unlink(missing_ok=True)
+                self._maps.pop(int(p.stem), None)
+
+    def rewind(self, first: int, end: int) -> None:
+        """The live window back to ``[first, end)`` (an undone turn), in memory: records after ``end`` stay in the
+        files until the next ``append`` writes over them or a reopening cuts them (``restore``); segments dropped
+        already stay dropped."""
+        self._maps.clear()
+        found = [int(p.stem) for p in self.folder.glob("*.bin")] if self.folder.is_dir() else []
+        self.first = max(first, min(found, default=0) * self.segment)
+        self.end = max(end, self.first)
+
+    def restore(self, first: int, end: int) -> None:
+        """Back to the window ``[first, end)`` a committed state names, on disk too: records after ``end`` cut off
+        (what a crash left), segments wholly before ``first`` deleted (forgotten by a turn that committed)."""
+        if self.dtype is None:
+            return
+        self.rewind(first, end)
+        for p in self.folder.glob("*.bin"):
+            seg = int(p.stem)
+            keep = min(max(self.end - seg * self.segment, 0), self.segment)
+            if keep == 0 or (seg + 1) * self.segment <= self.first:
+                p.unlink()
+            elif _size(p) > keep * self.record_bytes:
+                with open(p, "r+b") as f:
+                    f.truncate(keep * self.record_bytes)
 
     def delete(self) -> None:
-        self.close()
-        for name in (*FILES, "digest.txt"):
-            (self.folder / name).unlink(missing_ok=True)
+        self._maps.clear()
+        if self.folder.is_dir():
+            for p in self.folder.iterdir():
+                p.unlink(missing_ok=True)
+            self.folder.rmdir()
+        self.first = self.end = 0
+        self.dtype = None
 
     @property
     def nbytes(self) -> int:
-        return sum(_size(self.folder / name) for name in FILES)
+        return sum(_size(p) for p in self.folder.glob("*.bin")) if self.folder.is_dir() else 0
 
-
-def _size(path: Path) -> int:
-    return path.stat().st_size if path.is_file() else 0

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .archive import fsync_dir
+from .files import fsync_dir
 
 
 def path(folder: Path, turn: int) -> Path:

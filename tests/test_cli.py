@@ -69,6 +69,26 @@ def test_replay_json_turns_and_summary(model_dir, tmp_path, capsys):
     assert len(Store(db).conversations()) == 1
 
 
+def test_an_unsaved_replay_recalls_from_a_temporary_archive(model_dir, tmp_path, capsys, monkeypatch):
+    """``--no-save`` with recall on (the default) recalls as a stored replay does: its digests live in a temporary
+    folder, deleted when the replay ends; nothing is stored."""
+    import tempfile
+
+    monkeypatch.setattr("kvchat.core.recall.choose.HELD_QUANTILE", 0.0)  # random weights: recall whatever scores best
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    lines = [line for i, w in enumerate(["red", "blue", "green", "grey", "pink", "gold", "teal", "tan"])
+             for line in ({"user": f"Fact {i}: the {w} box holds {i * 7} stones. Keep it."},
+                          {"assistant": f"Noted, {i * 7}."})]
+    script = _write(tmp_path / "s.jsonl", lines + [{"user": "How many stones are in the red box?"}])
+    code, out, err = _run(capsys, "replay", script, "--model", model_dir, "--budget", 48, "--window", 8, "--slack", 6,
+                          "--max-new-tokens", 4, "--no-save", "--json", "--db", tmp_path / "kv.db")
+    assert code == 0, err
+    summary = json.loads(out.splitlines()[-1])["summary"]
+    assert summary["params"]["recall"] == "on" and summary["recalled_tokens"] > 0
+    assert not (tmp_path / "kv.db").exists() and list((tmp_path / "tmp").iterdir()) == []
+
+
 def test_several_scripts_one_model_load(model_dir, tmp_path, capsys):
     a = _write(tmp_path / "a.jsonl", SCRIPT[:3])
     b = _write(tmp_path / "b.jsonl", SCRIPT[1:4])
@@ -174,6 +194,7 @@ def test_terminal_chat_with_commands(model_dir, tmp_path):
                            "--budget", "64", "--window", "8", "--max-new-tokens", "5"],
                           input=stdin, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
+    assert "Warning" not in proc.stderr and "deprecated" not in proc.stderr, proc.stderr  # a fresh chat warns nothing
     assert proc.stdout.count("bot> ") == 2
     assert "applied: {'budget': 40" in proc.stdout and "'policy': 'window'" in proc.stdout
     assert "kvchat: error: /budget needs one number" in proc.stderr

@@ -131,7 +131,7 @@ def test_kill_9_twenty_times(model_dir, tmp_path):
         assert got.keys() == expected.keys()
         for key in expected:
             assert torch.equal(got[key], expected[key]), f"after turn {turn}: {key}"
-        reopened.archive.close()
+        reopened.close()
     proc = _replay(model_dir, script, db, _conversation_id(db))  # the rest, uninterrupted
     assert proc.wait(timeout=300) == 0, proc.stderr.read()
     conv, messages, stats = _stored(db, _conversation_id(db))

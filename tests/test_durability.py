@@ -5,6 +5,7 @@ read back."""
 import pytest
 import torch
 
+from kvchat.core.engine import persist
 from kvchat.core.engine.session import Sampling, Session
 from kvchat.core.engine.settings import Settings
 from kvchat.storage.db import Store
@@ -57,6 +58,8 @@ def test_every_turn_reopens_with_the_exact_cache(tiny, tmp_path, policy, positio
 
 @pytest.mark.parametrize("recall", ["off", "on"])
 def test_a_crash_mid_turn_reopens_the_last_committed_turn(tiny, tmp_path, recall, monkeypatch):
+    """The worst moment: the next turn's rows, digests and state file are on disk (and a write was cut short), its
+    SQLite commit is not. The conversation reopens exactly as the last committed turn left it."""
     monkeypatch.setattr("kvchat.core.recall.choose.HELD_QUANTILE", 0.0)  # random weights: recall whatever scores best
     model = tiny("qwen2")
     settings = Settings(policy="h2o", budget=40, window=8, slack=6, recall=recall, recall_tokens=24)
@@ -64,22 +67,22 @@ def test_a_crash_mid_turn_reopens_the_last_committed_turn(tiny, tmp_path, recall
     for user, reply in TURNS[:3]:
         live.exchange(user, reply)
     twin = Session.resume(model, Store(tmp_path / "kv.db"), live.conversation_id, sampling=GREEDY)
-    # The live process goes on into a turn that never commits: tokens fed (and archived), then the crash.
-    gen = live.reply("This turn will never finish because the process dies now")
-    next(gen)
-    assert live.archive.n > twin.total_tokens
-    digests = live.archive.digests
-    if recall == "on":  # the crash comes after the closing turn's digests were written, before its commit
-        digests.add(live.archive, live.log, model.scaffolding_ids(), model.rotary)
-        assert digests.covered > twin.total_tokens
-    live.archive.sync()
-    for name, junk in (("kv.bin", b"\x01" * 7), ("pos.bin", b"\x02" * 3), ("digest.bin", b"\x03" * 5),
-                       ("coarse.bin", b"\x04" * 9)):  # writes the crash cut short
-        with open(live.archive.folder / name, "ab") as f:
+    # The live process goes on into a turn that never commits: tokens fed, compressions, then everything written
+    # but the commit point, then the crash.
+    gen = live.reply("This turn will never finish because the process dies now, after writing all it could")
+    for _ in range(6):
+        next(gen)
+    live.turn += 1
+    if recall == "on":
+        assert live.digests.add(live.cache, live.log, model.scaffolding_ids()) > 0
+    persist.write_state(live)
+    files = live.files
+    assert (files.folder / f"state-{live.turn}.safetensors").is_file()
+    for path, junk in ((files.rows.path, b"\x01" * 7), *(((p, b"\x03" * 5) for p in (files.folder / "digests").glob("*.bin")))):
+        with open(path, "ab") as f:  # writes the crash cut short
             f.write(junk)
     reopened = Session.resume(model, Store(tmp_path / "kv.db"), live.conversation_id, sampling=GREEDY)
-    assert reopened.restored_from == "archive" and reopened.archive.n == reopened.total_tokens
-    assert reopened.archive.digests.covered == reopened.total_tokens
+    assert reopened.restored_from == "archive"
     assert_same_cache(reopened, twin)
     a, b = reopened.chat("Still there?"), twin.chat("Still there?")
     assert a.answer == b.answer and a.recalled == b.recalled
@@ -97,38 +100,85 @@ def test_undo_then_reopen_is_exact(tiny, tmp_path):
     reopened = Session.resume(model, Store(tmp_path / "kv.db"), live.conversation_id, sampling=GREEDY)
     assert reopened.restored_from == "archive"
     assert_same_cache(reopened, live)
-    assert [p.name for p in live.archive.folder.glob("state-*")] == [f"state-{live.turn}.safetensors"]
+    assert [p.name for p in live.files.folder.glob("state-*")] == [f"state-{live.turn}.safetensors"]
 
 
-def test_archive_keeps_what_was_evicted_and_goes_with_its_conversation(tiny, tmp_path):
+def _chat_turns(n: int):
+    words = ["sea", "hill", "river", "forest", "city", "desert", "island", "valley"]
+    return [(f"Tell me about the {words[i % 8]} number {i}. Is it far?", f"The {words[i % 8]} {i} is near. It is "
+             f"{'calm' if i % 2 else 'busy'} today.") for i in range(n)]
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o"])
+def test_disk_stays_bounded_with_recall_off(tiny, tmp_path, policy):
+    """With recall off a conversation keeps on disk what exact resume needs: one row per (layer, head, position)
+    the cache holds, plus at most the rows of one turn; one state file; no digests. The rows file stops growing once
+    the cache is full, whatever the chat's length."""
     model = tiny("llama")
-    store = Store(tmp_path / "kv.db")
-    live = Session(model, Settings(policy="streaming", budget=40, window=8, slack=6), store=store, sampling=GREEDY)
-    for user, reply in TURNS:
+    settings = Settings(policy=policy, budget=48, window=8, slack=6, recall="off")
+    live = Session(model, settings, store=Store(tmp_path / "kv.db"), sampling=GREEDY, undo=True)
+    heads, layers = 2, model.num_layers
+    sizes, longest = [], 0
+    for user, reply in _chat_turns(40):
+        res = live.exchange(user, reply)
+        longest = max(longest, res.prompt_tokens)
+        sizes.append(live.files.rows.rows)
+        assert res.disk_bytes is not None and res.archive_bytes == 0
+    assert live.total_tokens > 8 * settings.capacity
+    bound = layers * heads * (settings.capacity + longest)
+    assert max(sizes) <= 2 * bound  # the held rows, one turn's new ones, and those the undo copy still names
+    assert sizes[-1] == sizes[-10] or max(sizes[-10:]) <= bound  # flat once full
+    assert sorted(p.name for p in live.files.folder.iterdir()) == ["rows.bin", "rows.txt",
+                                                                   f"state-{live.turn}.safetensors"]
+    assert live.digests is None
+    reopened = Session.resume(model, Store(tmp_path / "kv.db"), live.conversation_id, sampling=GREEDY)
+    assert reopened.restored_from == "archive"
+    assert_same_cache(reopened, live)
+
+
+def test_recall_archive_is_capped_forgetting_the_oldest_first(tiny, tmp_path):
+    """Recall's archive stays under --archive-mb (give or take one segment and one turn): past it the oldest sentence
+    groups are forgotten first, and the conversation still reopens exactly."""
+    model = tiny("llama")
+    settings = Settings(policy="streaming", budget=48, window=8, slack=6, recall="on", archive_mb=1.0)
+    live = Session(model, settings, store=Store(tmp_path / "kv.db"), sampling=GREEDY)
+    cap = int(settings.archive_mb * 2**20)
+    record = None
+    for i, (user, reply) in enumerate(_chat_turns(400)):
         live.exchange(user, reply)
-    archive = live.archive
-    assert archive.n == live.total_tokens and live.kept_positions().numel() < live.total_tokens
-    evicted = torch.tensor([[1, 2, 3]])
-    keys, values, computed = archive.keys_values(0, evicted)
-    assert keys.shape == (1, 3, archive.layout[1]) and torch.equal(computed, evicted)  # computed before any eviction
-    folder = archive.folder
-    assert folder.is_dir()
-    store.delete(live.conversation_id)
-    assert not folder.exists()
+        record = live.digests.store.record_bytes
+        assert live.archive_bytes <= cap + live.digests.store.segment * record
+        if live.digests.store.first > 0:
+            break
+    assert live.digests.store.first > 0, "the cap was reached and the oldest groups forgotten"
+    spans = live.digests.read()[0]
+    assert int(spans[0, 0]) > 0 and int(spans[-1, 1]) == live.total_tokens  # the newest stay, the oldest went
+    for user, reply in _chat_turns(3):
+        live.exchange(user, reply)
+    reopened = Session.resume(model, Store(tmp_path / "kv.db"), live.conversation_id, sampling=GREEDY)
+    assert reopened.restored_from == "archive"
+    assert reopened.digests.window() == live.digests.window()
+    assert torch.equal(reopened.digests.read()[0], live.digests.read()[0])
+    assert_same_cache(reopened, live)
 
 
-def test_a_kept_key_equals_the_archived_key_rotated_to_its_slot(tiny, tmp_path):
+def test_a_kept_key_is_its_computed_key_rotated_once_to_its_slot(tiny, tmp_path):
+    """Through every compression a kept key is the key as computed rotated once, from where it was computed to its
+    slot (not rotated again and again), and the rows on disk hold the computed key and value."""
     model = tiny("llama")
     live = Session(model, Settings(policy="streaming", budget=40, window=8, slack=6), store=Store(tmp_path / "a.db"),
                    sampling=GREEDY)
     for user, reply in TURNS:
         live.exchange(user, reply)
+    assert live.evicted_total > 0
     layer = live.cache.layers[1]
-    held = layer.positions()[:1]
-    slots = layer.pos_off[0] + torch.arange(held.shape[1])[None]
-    keys, _, computed = live.archive.keys_values(1, held)
-    expected = model.rotary.rotate(keys, slots - computed)
-    assert torch.equal(layer.keys_dense()[0, :1], expected)
+    n = layer.lens[0]
+    slots = layer.pos_off[0] + torch.arange(n)
+    k0, computed = layer.k0[:n], layer.computed[:n].long()
+    assert torch.equal(layer.keys[:n], model.rotary.rotate(k0, slots - computed))
+    assert bool((computed != slots).any())  # some were computed elsewhere: they were moved
+    stored = live.files.rows.read(layer.rows[:n].numpy())
+    assert torch.equal(stored[:, : k0.shape[-1]], k0) and torch.equal(stored[:, k0.shape[-1]:], layer.values[:n])
 
 
 def test_a_live_settings_change_between_turns_reopens_exactly(tiny, tmp_path):
@@ -145,10 +195,52 @@ def test_a_live_settings_change_between_turns_reopens_exactly(tiny, tmp_path):
     assert reopened.chat("Go on.").answer == live.chat("Go on.").answer
 
 
-def test_a_session_that_stored_nothing_leaves_no_archive(tiny, tmp_path):
+def test_a_session_that_stored_nothing_leaves_no_files(tiny, tmp_path):
     store = Store(tmp_path / "kv.db")
     session = Session(tiny("llama"), Settings(budget=64, window=8), store=store, system="Be brief.")
-    assert session.archive.n == session.total_tokens > 0  # the system prompt is fed (and archived) at once
-    folder = session.archive.folder
+    assert session.total_tokens > 0  # the system prompt is fed at once
+    folder = session.files.folder
     session.close()
     assert not folder.exists() and store.conversations() == []
+
+
+def test_deleting_a_conversation_deletes_its_files(tiny, tmp_path):
+    store = Store(tmp_path / "kv.db")
+    live = Session(tiny("llama"), Settings(policy="h2o", budget=40, window=8, slack=6), store=store, sampling=GREEDY)
+    for user, reply in TURNS:
+        live.exchange(user, reply)
+    folder = live.files.folder
+    assert (folder / "rows.bin").is_file() and (folder / "digests").is_dir()
+    store.delete(live.conversation_id)
+    assert not folder.exists()
+
+
+def test_a_conversation_of_the_old_archive_reopens_exactly_and_moves_to_the_new_form(tiny, tmp_path):
+    """A conversation stored by kvchat before the bounded storage (its archive kept every token's KV: fixture made
+    by that version, tests/data/legacy-v1) reopens with exactly the cache that version reopened it with; after the
+    next turn its old files are gone and it reopens exactly from the new ones."""
+    import shutil
+
+    from helpers import REPO
+
+    shutil.copytree(REPO / "tests" / "data" / "legacy-v1", tmp_path / "legacy")
+    expected = torch.load(tmp_path / "legacy" / "expected.pt")
+    store = Store(tmp_path / "legacy" / "kv.db")
+    (conv,) = store.conversations()
+    model = tiny("llama")
+    old = Session.resume(model, store, conv["id"], sampling=GREEDY)
+    assert old.restored_from == "archive"
+    for i, layer in enumerate(old.cache.layers):
+        assert torch.equal(layer.keys_dense(), expected[f"{i}.keys"])
+        assert torch.equal(layer.padded(layer.values), expected[f"{i}.values"])
+        assert torch.equal(layer.positions(), expected[f"{i}.positions"])
+        for name, t in layer.stats.items():
+            assert torch.equal(layer.padded(t), expected[f"{i}.stat.{name}"])
+    assert old.digests is not None and old.digests.count > 0  # its digests carried over
+    old.chat("What is my locker code?")
+    folder = old.files.folder
+    assert not (folder / "kv.bin").exists() and not (folder / "digest.bin").exists()
+    assert (folder / "rows.bin").is_file()
+    again = Session.resume(model, Store(tmp_path / "legacy" / "kv.db"), conv["id"], sampling=GREEDY)
+    assert again.restored_from == "archive"
+    assert_same_cache(again, old)

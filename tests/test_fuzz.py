@@ -582,16 +582,16 @@ def test_database_locked_by_another_writer(tiny, engine_db):
         session.kept_positions().tolist()
 
 
-@pytest.mark.parametrize("where", ["commit_turns", "archive sync"])
+@pytest.mark.parametrize("where", ["commit_turns", "rows sync"])
 def test_disk_full(where, model_dir, tmp_path, capsys, monkeypatch):
     """The second turn's write fails with ENOSPC: one line, exit 2; the first turn is intact, reopens exactly, and
     --resume goes on from it."""
-    from kvchat.storage.archive import Archive
+    from kvchat.storage.kvrows import RowFile
 
     db = tmp_path / "kv.db"
     script = _write(tmp_path / "s.jsonl", GOOD + [{"user": "And again?"}])
     calls = []
-    target, name = (Store, "commit_turns") if where == "commit_turns" else (Archive, "sync")
+    target, name = (Store, "commit_turns") if where == "commit_turns" else (RowFile, "sync")
     original = getattr(target, name)
 
     def full(self, *args, **kwargs):

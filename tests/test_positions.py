@@ -102,17 +102,18 @@ def test_length_dependent_rope_is_refused():
 
 
 def test_keep_rerotates_kept_keys_to_their_new_slots():
-    """After keep(), head h's kept keys end right before next_pos: each equals its old key rotated by the change
-    of position (per head, with different numbers kept per head)."""
+    """After keep(), head h's kept keys end right before next_pos: each equals its computed key rotated by the
+    change of position (per head, with different numbers kept per head)."""
     rotary = Rotary(1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8)))
-    cache = KVCache(num_layers=1, capacity=16, max_capacity=16)
+    cache = KVCache(num_layers=1, capacity=16, max_capacity=16, keeps_computed=True)
     layer = cache.layers[0]
     keys, values = torch.randn(1, 2, 10, 8), torch.randn(1, 2, 10, 8)
     cache.incoming_abs = torch.arange(10, dtype=torch.int32)
     layer.update(keys, values)
     index = [torch.tensor([0, 1, 6, 9]), torch.tensor([0, 3, 9])]
     layer.keep(index, rotary, next_pos=4, caps=[9, 7])
-    assert layer.lens == [4, 3] and layer.caps == [9, 7] and layer.nbytes < 2 * 16 * (8 + 8 + 1) * 4
+    per_slot = 3 * 8 * 4 + 4 + 4 + 8  # keys, values, computed keys; absolute and computed positions; storage row
+    assert layer.lens == [4, 3] and layer.caps == [9, 7] and layer.nbytes == (9 + 7) * per_slot
     for h in range(2):
         kept_keys = layer.keys[layer.offs[h]: layer.offs[h] + layer.lens[h]]
         for slot, old in enumerate(index[h].tolist()):

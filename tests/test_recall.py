@@ -1,10 +1,9 @@
 """Recall: evicted text comes back into the cache when a new message needs it, within the budget, at its place in
-conversation order, with keys exactly the archived ones moved to their new positions; live, durable, and gone with
-its conversation."""
+conversation order, read again from its tokens and every key rotated once from where it was computed; live, durable,
+and gone with its conversation."""
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
@@ -12,6 +11,7 @@ from helpers import data_file
 from kvchat.core.engine.session import Sampling, Session
 from kvchat.core.engine.settings import Settings
 from kvchat.storage.db import Store
+from kvchat.core.cache import compress
 from test_durability import TURNS, assert_same_cache
 
 GREEDY = Sampling(max_new_tokens=10, temperature=0.0)
@@ -31,18 +31,18 @@ def _chat(session, rounds=2):
     return results
 
 
-def _assert_archived_keys(session):
-    """Every held key is the archived key rotated once from where it was computed to its slot's position."""
+def _assert_keys_rotated_once(session):
+    """Every held key is its computed key rotated once from where it was computed to its slot's position, and the
+    slots are in conversation order."""
     original = session.settings.positions == "original"
-    for li, layer in enumerate(session.cache.layers):
+    for layer in session.cache.layers:
         for h in range(layer.heads):
-            held = layer.head_view(layer.abs_pos, h).long()[None]
-            assert torch.all(held[0, 1:] > held[0, :-1]), "slots are in conversation order"
-            target = held if original else layer.pos_off[h] + torch.arange(held.shape[1])[None]
-            keys, values, computed = session.archive.keys_values(li, held, [h])
-            expected = session.model.rotary.rotate(keys, target - computed.long())
-            assert torch.equal(layer.head_view(layer.keys, h), expected[0].to(layer.dtype))
-            assert torch.equal(layer.head_view(layer.values, h), values[0])
+            held = layer.head_view(layer.abs_pos, h).long()
+            assert torch.all(held[1:] > held[:-1]), "slots are in conversation order"
+            target = held if original else layer.pos_off[h] + torch.arange(held.numel())
+            computed = layer.head_view(layer.computed, h).long()
+            expected = session.model.rotary.rotate(layer.head_view(layer.k0, h), target - computed)
+            assert torch.equal(layer.head_view(layer.keys, h), expected)
 
 
 @pytest.mark.parametrize("policy", BOUNDED)
@@ -81,9 +81,9 @@ def test_recalled_tokens_are_kept_through_the_replys_first_compression_then_the_
                       sampling=Sampling(max_new_tokens=40, temperature=0.0))
     calls, real = [], compress.compress
 
-    def recorded(sess, keep, reason, bring=None):
+    def recorded(sess, keep, reason, drop=None, room=0):
         guard, releasing = sess.recall_guard.clone(), sess.recall_release
-        real(sess, keep, reason, bring)
+        real(sess, keep, reason, drop, room)
         held = sess.held_fraction()[guard] if guard.numel() else torch.ones(0)
         calls.append((reason, releasing, guard.numel(), sess.recall_guard.numel(), bool(torch.all(held == 1.0)),
                       guard))
@@ -103,13 +103,30 @@ def test_recalled_tokens_are_kept_through_the_replys_first_compression_then_the_
 
 
 @pytest.mark.parametrize("positions", ["rerotate", "original"])
-def test_recalled_keys_are_the_archived_keys_at_their_new_positions(tiny, tmp_path, positions):
+def test_recalled_keys_are_rotated_once_to_their_place_in_conversation_order(tiny, tmp_path, positions):
+    """Recalled text is read again at the end of the cache, then every head's slots go back into conversation order:
+    the recalled keys too are their computed keys rotated once (from the end of the cache) to their slots."""
     session = Session(tiny("llama"), _settings(policy="h2o", positions=positions), store=Store(tmp_path / "k.db"),
                       sampling=GREEDY)
     _chat(session)
-    res = session.chat("Tell me again about the mountains.")
-    assert res.recalled_tokens > 0
-    _assert_archived_keys(session)
+    checked = []
+    real = compress.reorder
+
+    def reorder(sess, brought):
+        real(sess, brought)
+        _assert_keys_rotated_once(sess)
+        layer = sess.cache.layers[0]
+        mine = torch.isin(layer.head_view(layer.abs_pos, 0), brought)
+        moved = layer.head_view(layer.computed, 0)[mine] != layer.head_view(layer.abs_pos, 0)[mine]
+        checked.append(bool(mine.sum() == brought.numel()) and bool(moved.all()))
+
+    compress.reorder = reorder
+    try:
+        res = session.chat("Tell me again about the mountains.")
+    finally:
+        compress.reorder = real
+    assert res.recalled_tokens > 0 and checked and all(checked), "held everywhere, computed at the cache's end"
+    _assert_keys_rotated_once(session)
     if positions == "rerotate":  # contiguous positions 0..n-1 in every layer: the next token continues at n
         for layer in session.cache.layers:
             assert set(p + n for p, n in zip(layer.pos_off, layer.lens)) == {session.cache.length}
@@ -163,14 +180,19 @@ def test_forgetting_a_read_message_by_its_mark_equals_the_whole_checkpoint(tiny,
 
 
 def test_recall_switches_live_and_undo_takes_it_back(tiny, tmp_path):
+    """With recall off nothing is digested (the disk keeps only what resume needs); switched on live, the text fed
+    from then on can come back; an undo takes a recall back; switched off, nothing comes back."""
     session = Session(tiny("llama"), _settings(recall="off"), store=Store(tmp_path / "s.db"), sampling=GREEDY,
                       undo=True)
-    off = _chat(session)
+    off = _chat(session, rounds=1)
     assert all(r.recalled_tokens == 0 and r.recall_ms is None for r in off)
+    assert session.digests is None and not (session.files.folder / "digests").exists()
     session.configure(recall="on")
+    switched = session.total_tokens
+    _chat(session)
     before = session.kept_positions()
     on = session.chat("What about the sea, again?")
-    assert on.recalled_tokens > 0  # the digests of turns fed with recall off are there
+    assert on.recalled_tokens > 0 and all(a >= switched for a, _ in on.recalled)
     session.undo()
     assert torch.equal(session.kept_positions(), before)
     session.configure(recall="off")
@@ -193,8 +215,8 @@ def test_deleting_a_conversation_deletes_its_recall_digests(tiny, tmp_path):
     store = Store(tmp_path / "x.db")
     session = Session(tiny("llama"), _settings(), store=store, sampling=GREEDY)
     _chat(session, rounds=1)
-    folder = session.archive.folder
-    assert (folder / "digest.bin").stat().st_size > 0 and session.archive.digests.covered == session.total_tokens
+    folder = session.files.folder
+    assert session.archive_bytes > 0 and session.digests.covered == session.total_tokens
     session.close()
     store.delete(session.conversation_id)
     assert not folder.exists()
@@ -283,67 +305,103 @@ def test_scores_equal_the_attention_shares_they_stand_for():
     assert got.argmax() == expected.argmax()
 
 
-def test_digests_stand_for_a_group_by_its_content_tokens(tiny, tmp_path):
-    """A group's representative keys are its largest-norm keys among its tokens that are not template scaffolding
-    (role headers and end markers draw attention from any message); a group of scaffolding alone is represented by
-    its own."""
+def _reference_digests(keys: dict, sentence, content, start: int, n: int, layers, heads: int):
+    """Digests computed the plain way from every key as computed, un-rotated ({(layer, head, position): key}),
+    quantized as the store keeps them."""
     from kvchat.core.recall import digest
 
-    session = Session(tiny("llama"), _settings(recall="off"), store=Store(tmp_path / "d.db"), sampling=GREEDY)
-    _chat(session, rounds=1)
-    digests, archive, rotary = session.archive.digests, session.archive, session.model.rotary
-    spans, stored, _ = digests.read()
+    out = []
+    ids = sentence[start:n].tolist()
+    bounds = [start] + [start + i for i in range(1, len(ids)) if ids[i] != ids[i - 1]] + [n]
+    for a, b in zip(bounds, bounds[1:]):
+        own = [p for p in range(a, b) if content[p]] or list(range(a, b))
+        group = torch.empty(len(layers), heads, digest.REPS, next(iter(keys.values())).shape[-1])
+        for si, li in enumerate(layers):
+            for h in range(heads):
+                k = torch.stack([keys[(li, h, p)] for p in own])
+                top = k.norm(dim=-1).topk(min(digest.REPS, len(own))).indices
+                top = torch.cat([top, top[:1].expand(digest.REPS - top.numel())])
+                group[si, h] = k[top]
+        out.append(group)
+    return digest.dequantize(*digest.quantize(torch.stack(out)))
+
+
+@pytest.mark.parametrize("budget", [400, 24])
+def test_digests_stand_for_a_group_by_its_content_keys_as_computed(tiny, tmp_path, budget):
+    """A group's digest is its largest-norm keys (as computed, un-rotated) among its tokens that are not template
+    scaffolding (role headers and end markers draw attention from any message), in int8; a group of scaffolding
+    alone is represented by its own. At budget 24 a long message is read in pieces with compressions between:
+    the keys they drop are taken before (``Digests.capture``), so the digests are still those of every key."""
+    from kvchat.core.recall import digest
+
+    session = Session(tiny("llama"), _settings(budget=budget, window=4, slack=4), store=Store(tmp_path / "d.db"),
+                      sampling=GREEDY, system=None)
+    seen = {}
+    forward = session.forward
+
+    def remember(ids, abs_pos, all_logits=False, tap=None, at=None):  # every key as the forward computed it
+        out = forward(ids, abs_pos, all_logits, tap, at)
+        if at is None:
+            for li in session.digests.layers:
+                layer = session.cache.layers[li]
+                for h in range(layer.heads):
+                    slots = layer.head_view(layer.abs_pos, h)
+                    for p in abs_pos.tolist():
+                        i = int(torch.nonzero(slots == p)[0])
+                        seen[(li, h, p)] = session.model.rotary.rotate(
+                            layer.head_view(layer.k0, h)[i].float(), -layer.head_view(layer.computed, h)[i].long())
+        return out
+
+    session.forward = remember
+    session.exchange("A long message. " + "It goes on and on, sentence after sentence. " * 6, "Short reply.")
+    assert budget == 400 or session.evicted_total > 0
     content = ~torch.isin(session.log.column("token").long(), session.model.scaffolding_ids())
-    mixed = 0
-    for g, (a, b) in enumerate(spans.tolist()):
-        inside = torch.arange(a, b)
-        own = inside[content[a:b]] if content[a:b].any() else inside
-        mixed += bool(content[a:b].any() and not content[a:b].all())
-        for si, li in enumerate(digests.layers):
-            for h in range(digests.layout[0]):
-                keys, _, computed = archive.keys_values(li, own[None], [h])
-                keys = rotary.rotate(keys.float(), -computed.long())[0]
-                best = keys[keys.norm(dim=-1).topk(min(digest.REPS, own.numel())).indices].half()
-                reps = torch.from_numpy(np.array(stored[g, si, h]))
-                assert torch.equal(reps[: best.shape[0]], best)
-    assert mixed > 0, "some groups hold a role header and content"
+    heads = session.cache.layers[0].heads
+    expected = _reference_digests(seen, session.log.column("sentence"), content, 0, session.total_tokens,
+                                  session.digests.layers, heads)
+    spans, rows, _ = session.digests.read()
+    assert int(spans[-1, 1]) == session.total_tokens and spans.shape[0] == expected.shape[0]
+    got = rows.take(None).float()
+    assert torch.allclose(got, expected.to(got.dtype).float(), rtol=1e-2, atol=1e-2)
+    assert digest.REPS == got.shape[3]
 
 
-def test_digests_written_a_block_at_a_time_equal_those_written_at_once(tiny, tmp_path, monkeypatch):
-    """A long stretch (a conversation reopened from before digests) is digested a block of whole groups at a time;
-    the digests are the same."""
-    files = {}
-    for block in (100_000, 20):  # 20: longer than any group here, shorter than a turn
-        monkeypatch.setattr("kvchat.core.recall.digest.BLOCK", block)
-        session = Session(tiny("llama"), _settings(recall="off"), store=Store(tmp_path / f"{block}.db"),
-                          sampling=GREEDY)
-        _chat(session, rounds=1)
-        folder = session.archive.folder
-        files[block] = [(folder / name).read_bytes() for name in ("digest.bin", "coarse.bin", "groups.bin")]
-    assert files[20] == files[100_000] and len(files[20][2]) > 8 * 4
+def test_int8_digests_score_as_the_fp16_ones(monkeypatch):
+    """Quantized to int8 with one scale per key, the digests rank groups as the float ones do."""
+    from kvchat.core.recall import digest, score
+
+    gen = torch.Generator().manual_seed(3)
+    layers, groups, heads, dim = [1, 3, 5], 300, 2, 16
+    reps = torch.randn(groups, len(layers), heads, digest.REPS, dim, generator=gen)
+    queries = {li: torch.randn(2 * heads, 9, dim, generator=gen) for li in layers}
+    exact = score.score(reps, layers, queries, {})
+    packed = digest.dequantize(*digest.quantize(reps))
+    assert (packed - reps).abs().max() <= reps.abs().amax() / 127
+    approx = score.score(packed, layers, queries, {})
+    assert approx.argmax() == exact.argmax()
+    assert torch.allclose(approx, exact, atol=2e-3)
 
 
-def test_coarse_keys_kept_in_memory_follow_the_file_through_adds_and_undo(tiny, tmp_path):
+def test_coarse_keys_kept_in_memory_follow_the_store_through_adds_and_undo(tiny, tmp_path):
     """Once recall has read the coarse keys they stay in memory (in ``COARSE_DTYPE``) and are extended as turns
-    close; after an undo (the digests truncated) and more turns they still equal what coarse.bin holds."""
+    close; after an undo and more turns they still equal what the store holds."""
+    from kvchat.core.recall import digest
     from kvchat.core.recall.score import COARSE_DTYPE
 
-    session = Session(tiny("llama"), _settings(recall="off"), store=Store(tmp_path / "c.db"), sampling=GREEDY,
-                      undo=True)
+    session = Session(tiny("llama"), _settings(), store=Store(tmp_path / "c.db"), sampling=GREEDY, undo=True)
     _chat(session, rounds=1)
-    digests = session.archive.digests
+    digests = session.digests
 
-    def on_disk():
-        heads, dim = digests.layout
-        raw = torch.from_numpy(np.fromfile(digests.folder / "coarse.bin", dtype=np.float16))
-        return raw.view(digests.count, -1, heads, dim).permute(1, 2, 0, 3).to(COARSE_DTYPE)
+    def stored():
+        packed = digest.dequantize(digests.store.field("coarse"), digests.store.field("coarse_scale"))
+        return packed.permute(1, 2, 0, 3).to(COARSE_DTYPE)
 
-    assert torch.equal(digests.read()[2], on_disk())  # loaded from the file
+    assert torch.equal(digests.read()[2], stored())  # loaded from the store
     session.chat("One more thing to remember: the boat is blue.")
-    assert torch.equal(digests.read()[2], on_disk())  # extended in memory
+    assert torch.equal(digests.read()[2], stored())  # extended in memory
     session.undo()
     session.chat("A different turn: the lake was calm and grey.")
-    assert torch.equal(digests.read()[2], on_disk()) and digests.read()[2].shape[2] == digests.count
+    assert torch.equal(digests.read()[2], stored()) and digests.read()[2].shape[2] == digests.count
 
 
 def test_group_shares_and_content_follow_the_chat_through_undo(tiny, tmp_path):
@@ -355,7 +413,7 @@ def test_group_shares_and_content_follow_the_chat_through_undo(tiny, tmp_path):
 
     session = Session(tiny("llama"), _settings(policy="h2o"), store=Store(tmp_path / "g.db"), sampling=GREEDY,
                       undo=True)
-    digests = session.archive.digests
+    digests = session.digests
     session.model.scaffolding = scaffolding(session.model.chat, session.model.tokenizer)
     for step, (user, reply) in enumerate(TURNS * 2):
         if step == 5:
@@ -395,42 +453,30 @@ def test_a_recalled_sentence_comes_with_its_scaffolding_and_the_next_sentence_of
 
 
 @pytest.mark.parametrize("policy", ["h2o", "headaware"])  # h2o: a statistic per slot; headaware: heads' own lengths
-def test_put_back_slots_of_all_layers_at_once(policy, tiny):
-    """``slots_of`` (every layer's heads as rows of one computation) gives each head its kept positions and the
-    brought ones it lacks, in order, with its kept slots' statistics and, for a brought slot, the lower median of
-    them (0 when it keeps none) — as a plain loop over heads computes them; the same per layer as alone."""
-    from kvchat.core.cache.rebuild import slots_of
+def test_reorder_puts_recalled_slots_in_place_with_the_median_statistic(policy, tiny):
+    """``compress.reorder`` after recall read text again at the end of the cache: every head's slots in conversation
+    order, the others' statistics kept, a recalled slot's the lower median of the head's others."""
+    from kvchat.core.cache import compress
 
     session = Session(tiny("llama"), _settings(policy=policy, budget=40), system=None)
-    session.feed_raw(list(range(20, 120)), score=False)
-    layers = [layer for layer in session.cache.layers if layer.is_initialized]
-    gen = torch.Generator().manual_seed(0)
-    for case in range(4):
-        pairs = []
-        for li, layer in enumerate(layers):
-            index = []
-            for h in range(layer.heads):
-                n = layer.lens[h]
-                size = n // 2 if case == 0 else int(torch.randint(n // 3, n + 1, (1,), generator=gen))
-                if case == 3 and h == 0 and li == 1:
-                    size = 0  # a head that keeps nothing of its own
-                index.append(torch.randperm(n, generator=gen)[:size].sort().values)
-            pairs.append((layer, index))
-        held = layers[0].positions()[0]
-        bring = None if case == 1 else torch.cat([held[held >= 0][::5], torch.arange(200, 206)]).unique()
-        batched = slots_of(pairs, bring)
-        for (layer, index), got in zip(pairs, batched):
-            alone = slots_of([(layer, index)], bring)[0]
-            assert got.lens == alone.lens and torch.equal(got.held, alone.held)
-            for h, idx in enumerate(index):
-                pos = layer.head_view(layer.abs_pos, h)[idx].long().tolist()
-                stat = {name: layer.head_view(t, h)[idx].tolist() for name, t in layer.stats.items()}
-                want = sorted(set(pos) | set(bring.tolist() if bring is not None else []))
-                n = got.lens[h]
-                assert n == len(want) and got.held[h, :n].tolist() == want
-                for name, values in stat.items():
-                    fill = sorted(values)[(len(values) - 1) // 2] if values else 0.0
-                    expect = [values[pos.index(p)] if p in pos else fill for p in want]
-                    assert got.stats[name][h, :n].tolist() == pytest.approx(expect, abs=0, rel=0)
-                    assert torch.equal(got.stats[name][h, :n], alone.stats[name][h, :n])
-            assert policy != "h2o" or "acc" in got.stats
+    session.feed_raw(list(range(20, 140)), score=False)
+    held = session.kept_positions()
+    bring = torch.tensor([p for p in range(0, 60, 7) if p not in set(held.tolist())])
+    compress.compress(session, 40, "recall", drop=bring, room=bring.numel())
+    before = []
+    for layer in session.cache.layers:
+        before.append([({int(p): {name: float(layer.head_view(t, h)[i]) for name, t in layer.stats.items()}
+                         for i, p in enumerate(layer.head_view(layer.abs_pos, h).tolist())}) for h in range(layer.heads)])
+    session.read_again(bring)
+    compress.reorder(session, bring)
+    _assert_keys_rotated_once(session)
+    for layer, heads in zip(session.cache.layers, before):
+        for h, stats in enumerate(heads):
+            pos = layer.head_view(layer.abs_pos, h).tolist()
+            assert pos == sorted(set(stats) | set(bring.tolist()))
+            for name, t in layer.stats.items():
+                values = sorted(s[name] for s in stats.values())
+                fill = values[(len(values) - 1) // 2] if values else 0.0
+                got = layer.head_view(t, h).tolist()
+                assert got == [stats[p][name] if p in stats else fill for p in pos]
+    assert policy != "h2o" or "acc" in session.cache.layers[0].stats

@@ -210,7 +210,7 @@ def test_rerotate_keeps_positions_within_budget_forever(tiny):
     finally:
         hook.remove()
     assert session.total_tokens > 512
-    assert len(given) == len(absolute) == session.total_tokens - session.system_tokens
+    assert len(given) == len(absolute) >= session.total_tokens - session.system_tokens  # recall reads some again
     assert max(absolute) >= 512  # fed far past both the bound and the model's positions...
     assert max(given) < bound  # ...yet the model never saw a position past budget + slack
 

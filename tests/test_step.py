@@ -701,29 +701,22 @@ def test_compiled_step_serves_sessions_in_several_threads(tokenizer):
     assert compiled.step.calls >= 30 and compiled.step.failed is None
 
 
-def test_compiled_step_archives_what_the_eager_step_archives(tokenizer, tmp_path):
-    """A stored conversation: every decoded token's key and value reach the archive (compressions in ``rerotate``
-    mode read the kept keys back from it, so the logits after them depend on it), as with the eager step."""
-    from kvchat.storage.db import Store
-
+def test_compiled_step_keeps_the_computed_keys_the_eager_step_keeps(tokenizer, tmp_path):
+    """Every decoded token's computed key, and where it was computed, are kept as with the eager step (compressions
+    in ``rerotate`` mode rotate the kept keys from them, so the logits after them depend on it)."""
     models_ = _eager_and_compiled("llama", tokenizer)
-    sessions = [Session(cm, Settings(policy="h2o", budget=40, slack=4), system=None, store=Store(tmp_path / f"{i}.db"))
-                for i, cm in enumerate(models_)]
+    sessions = [Session(cm, Settings(policy="h2o", budget=40, slack=4), system=None) for cm in models_]
     for s in sessions:
         s.feed_raw(list(range(40, 70)), score=False)
     for token in range(5, 25):  # through compressions
         logits = _fed(sessions, token, 0)
         torch.testing.assert_close(logits[1], logits[0], **COMPILED)
-    a, b = (s.archive for s in sessions)
-    assert a.n == b.n == 50 and models_[1].step.calls >= 15
-    positions = torch.arange(30, 50)[None, None].expand(2, 2, -1)
-    for got, want in zip(b.read([0, 1], positions), a.read([0, 1], positions)):
-        torch.testing.assert_close(got, want, **COMPILED_KV)
-    # exactly what the graph wrote into the cache: the last token (compressions come before a step, not after)
-    for li, layer in enumerate(sessions[1].cache.layers):
-        n, cap = layer.lens[0], layer.caps[0]
-        held = layer.abs_pos.view(layer.heads, cap)[:, n - 1: n].long()
-        assert held.flatten().tolist() == [49] * layer.heads
-        keys, values, _ = b.read([li], held[None])
-        assert torch.equal(keys[0], layer.keys.view(layer.heads, cap, -1)[:, n - 1: n])
-        assert torch.equal(values[0], layer.values.view(layer.heads, cap, -1)[:, n - 1: n])
+    assert models_[1].step.calls >= 15 and sessions[0].evicted_total > 0
+    for la, lb in zip(sessions[0].cache.layers, sessions[1].cache.layers):
+        assert torch.equal(la.positions(), lb.positions())
+        assert torch.equal(la.padded(la.computed), lb.padded(lb.computed))
+        torch.testing.assert_close(lb.padded(lb.k0), la.padded(la.k0), **COMPILED_KV)
+        # exactly what the graph wrote into the cache: the last token, computed at its slot's position
+        n, cap = lb.lens[0], lb.caps[0]
+        assert lb.abs_pos.view(lb.heads, cap)[:, n - 1].tolist() == [49] * lb.heads
+        assert torch.equal(lb.k0.view(lb.heads, cap, -1)[:, n - 1], lb.keys.view(lb.heads, cap, -1)[:, n - 1])

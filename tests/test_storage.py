@@ -104,7 +104,7 @@ def test_a_conversation_stored_without_an_archive_is_rebuilt_from_its_tokens(tin
     store.db.execute("UPDATE conversations SET archive = NULL")  # as an older kvchat stored it
     store.db.conn.commit()
     resumed = Session.resume(model, store, live.conversation_id)
-    assert resumed.restored_from == "tokens" and resumed.archive is None
+    assert resumed.restored_from == "tokens"
     assert torch.equal(resumed.kept_positions(), live.kept_positions())
     assert resumed.chat("Still there?").new_tokens > 0
 
@@ -143,7 +143,7 @@ def test_rename_and_delete(tiny, tmp_path):
     cid = session.conversation_id
     store.rename(cid, "Greetings")
     assert store.conversation(cid)["title"] == "Greetings"
-    archive = session.archive.folder
+    archive = session.files.folder
     assert archive.is_dir()
     store.delete(cid)
     assert store.conversations() == [] and store.messages(cid) == []

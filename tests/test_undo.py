@@ -127,3 +127,46 @@ def test_settings_change_from_another_thread_while_a_reply_streams(tiny):
     assert errors == []
     assert session.history[-1].new_tokens > 0
     assert session.cache.length <= session.settings.capacity
+
+
+@pytest.mark.parametrize("fault", ["truncate", "disk"])
+def test_an_undo_the_storage_refuses_changes_nothing(tiny, tmp_path, monkeypatch, fault):
+    """Undo while the database (or the disk) refuses the write: one error, and the session and the stored
+    conversation both stay at the turn that was to be undone; once the fault is gone the undo goes through and
+    reopens exactly."""
+    import errno
+
+    from kvchat.core.engine import persist
+    from kvchat.storage.db import StoreError
+
+    store = Store(tmp_path / "kv.db")
+    session = Session(tiny("llama"), SETTINGS, sampling=GREEDY, undo=True, store=store)
+    _fill(session)
+    session.chat("How many marbles were in box 2? Answer briefly.")
+    before, n, messages, turn = _state(session), session.log.n, list(session.messages), session.turn
+    history = list(session.history)
+    stored = (store.messages(session.conversation_id), store.turn_stats(session.conversation_id))
+
+    def refuse(*args, **kwargs):
+        if fault == "truncate":
+            raise StoreError(f"database {store.path}: database is locked")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if fault == "truncate":
+        monkeypatch.setattr(Store, "truncate", refuse)
+    else:
+        monkeypatch.setattr(persist, "write_rows", refuse)
+        monkeypatch.setattr(persist.statefile, "write", refuse)
+    with pytest.raises((StoreError, OSError)):
+        session.undo()
+    _same(before, _state(session))
+    assert (session.log.n, session.messages, session.turn, session.history) == (n, messages, turn, history)
+    assert (store.messages(session.conversation_id), store.turn_stats(session.conversation_id)) == stored
+    assert session.can_undo
+    monkeypatch.undo()
+    session.undo()
+    assert session.turn == turn - 1 and len(store.messages(session.conversation_id)) == len(messages) - 2
+    reopened = Session.resume(tiny("llama"), Store(tmp_path / "kv.db"), session.conversation_id, sampling=GREEDY)
+    assert reopened.restored_from == "archive"
+    _same({k: t for k, t in _state(session).items() if not k.endswith(".rows")},
+          {k: t for k, t in _state(reopened).items() if not k.endswith(".rows")})

@@ -182,6 +182,12 @@ def test_chat_streams_and_live_settings_change_charts_and_cache_view(browser, se
         assert "conversation #" in _info(page)
         _shot(page, "01-chat")
 
+        # Recall (on by default) switched off live, for the part below that fills the cache.
+        before = _state(page)
+        page.click("#kv-recall label:has-text('off')")
+        _wait_done(page, before)
+        assert "recall on → off" in _status(page)
+
         # Fill the cache past its budget, then switch policy and budget on the live conversation.
         for text in ("My locker code is 4417 and my sister is called Beatrice. Please remember both.",
                      "Now describe the sea at night in three sentences, with waves and stars."):
@@ -213,7 +219,7 @@ def test_chat_streams_and_live_settings_change_charts_and_cache_view(browser, se
         _set_number(page, "kv-window", "")
 
         # Recall switched on live: the next reply runs under the new policy with what the question needs brought
-        # back from the archive, within budget + slack, and the cache view marks the recalled text.
+        # back (read again from its tokens), within budget + slack, and the cache view marks the recalled text.
         before = _state(page)
         page.click("#kv-recall label:has-text('on')")
         _wait_done(page, before)

@@ -187,3 +187,27 @@ def test_full_policy_reserves_the_models_positions(manager):
     full = SETTINGS.changed(policy="full")
     assert manager.reserve(full) == 2 * manager.model.max_positions * manager.per_position_bytes()
     assert manager.reserve(SETTINGS) == 2 * SETTINGS.capacity * manager.per_position_bytes()
+
+
+def test_undo_and_retry_the_database_refuses_show_an_error_and_change_nothing(web, monkeypatch):
+    """The web UI's Undo and Retry while the database refuses the write: a visible error, and the chat, the cache
+    and the stored conversation stay as they were."""
+    from kvchat.storage.db import StoreError
+
+    request = _Request("a")
+    session = web.manager.entry("a").session
+    _chat(session, turns=2)
+    session.chat("And the kite?")
+    shown = chat_messages(session)
+    stored = web.manager.store.messages(session.conversation_id)
+
+    def refuse(*args, **kwargs):
+        raise StoreError("database kv.db: database is locked (another program holds a write lock on it)")
+
+    monkeypatch.setattr(Store, "truncate", refuse)
+    out = web.undo(request)
+    assert "kv-error" in out[6] and "database is locked" in out[6]
+    out = list(web.retry(request))[-1]
+    assert "kv-error" in out[6] and "database is locked" in out[6]
+    assert chat_messages(session) == shown and web.manager.store.messages(session.conversation_id) == stored
+    assert session.can_undo

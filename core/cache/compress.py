@@ -7,9 +7,12 @@ Before a forward would take the cache past budget + slack, ``make_room`` compres
 2. the policy may split the budget over layers and heads (``allocate``), then ``score``s each layer's slots;
 3. protected slots (sink, system prompt, recent window) are always kept; ``select_keep`` turns the scores into
    whole groups to keep;
-4. each layer gathers the kept slots; in ``rerotate`` mode (and for recall) every layer is refilled from the
-   archive at once, each key rotated once from where it was computed to its new slot (core/cache/rebuild.py);
+4. each layer gathers the kept slots; in ``rerotate`` mode each kept key is its computed key rotated once to its
+   new slot (``KVLayer.keep``);
 5. an eviction event is recorded.
+
+Recall (core/recall) asks a compression to ``drop`` the positions it will read again and to leave ``room`` for
+them in every head; ``reorder`` then puts what it read back into conversation order.
 
 The session supplies the state (settings, policy, cache, observer, token log, model); nothing here knows which
 policy runs.
@@ -22,9 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ...policies import LayerView
-from .groups import select_keep
-from .rebuild import rebuild, slots, slots_of
 from ...storage.db import now_iso
+from .groups import select_keep
 
 MAX_CHUNK = 512  # longest prefill forward
 
@@ -62,21 +64,16 @@ def make_room(session, m: int) -> int:
 
 @dataclass(eq=False)
 class Plan:
-    """One layer's part of a compression: how many slots each head keeps (``counts``), how many recalled
-    positions it gains (``missing``), its capacities, and the slots kept (``index``, per head, ascending)."""
+    """One layer's part of a compression: how many slots each head keeps (``counts``), its capacities, and the
+    slots kept (``index``, per head, ascending)."""
 
     layer: object
     view: LayerView
     counts: list[int]
     caps: list[int] | None = None
-    missing: list[int] | None = None
-    present: torch.Tensor | None = None  # [heads, n] slots holding a recalled position (kept)
     scores: torch.Tensor | None = None
     same_as: "Plan | None" = None
     index: list[torch.Tensor] | None = None
-
-    def __post_init__(self):
-        self.missing = self.missing or [0] * len(self.counts)
 
 
 def select(session, plans: list[Plan]) -> None:
@@ -91,9 +88,6 @@ def select(session, plans: list[Plan]) -> None:
         positions = torch.cat([p.view.positions for p in batch])
         lens = [n for p in batch for n in p.layer.lens]
         safe = protected(session, positions, lens, min(batch[0].counts))
-        present = [p.present for p in batch]
-        if present[0] is not None:
-            safe |= torch.cat(present)
         scores = torch.cat([p.scores.expand(h, -1) for p, h in zip(batch, heads)])
         groups = None if batch[0].view.groups is None else torch.cat([p.view.groups for p in batch])
         index = select_keep(scores, [c for p in batch for c in p.counts], safe, groups, session.settings.aggregate,
@@ -102,33 +96,36 @@ def select(session, plans: list[Plan]) -> None:
             p.index = index[rows - p.layer.heads: rows]
 
 
-def compress(session, keep: int, reason: str, bring: torch.Tensor | None = None) -> None:
+def compress(session, keep: int, reason: str, drop: torch.Tensor | None = None, room: int = 0) -> None:
     """Compress every layer to ``keep`` positions (per head, or as the policy allocates them).
 
-    ``bring``: absolute positions (ascending) that recall brings back from the archive into every layer and head
-    (core/recall). They count toward ``keep``: the policy's lowest-scored slots make room for them."""
+    ``drop``: absolute positions no head keeps (recall reads them again); ``room``: slots every head keeps free
+    beyond its slack for them, taken from ``keep`` (the policy's lowest-scored slots make room)."""
     s, cache, policy = session.settings, session.cache, session.policy
+    for hook in cache.on_compress:
+        hook(cache)
     before = cache.mean_length
     session.evictions.peak = max(session.evictions.peak, before)  # the cache is fullest right before a compression
     layers = [(li, layer) for li, layer in enumerate(cache.layers) if layer.is_initialized]
     views = [layer_view(session, li, layer) for li, layer in layers]
+    if drop is not None and drop.numel():
+        for view in views:
+            view.valid = view.valid & ~torch.isin(view.positions, drop.to(view.positions.device))
     minimum = s.window_tokens + (s.sink if policy.protect_start else 0) + 1
     alloc = policy.allocate(views, keep, minimum)
     # In rerotate mode the next position is the largest kept count: keep it inside the trained positions.
-    ceiling = session.model.max_positions - s.slack_tokens if s.positions == "rerotate" else None
+    ceiling = session.model.max_positions - s.slack_tokens - room if s.positions == "rerotate" else None
     plans, reference = [], None
-    for pos, ((li, layer), view) in enumerate(zip(layers, views)):
-        plan = Plan(layer, view, alloc[pos] if alloc is not None else [keep] * layer.heads)
+    for (li, layer), view in zip(layers, views):
+        plan = Plan(layer, view, alloc[len(plans)] if alloc is not None else [keep] * layer.heads)
         if ceiling is not None:
             plan.counts = [min(c, ceiling) for c in plan.counts]
-        if bring is not None:
-            plan.present = torch.isin(view.positions, bring.to(view.positions.device)) & view.valid
-            plan.missing = [bring.numel() - n for n in plan.present.sum(1).tolist()]
-            plan.counts = [max(min(c, n + m) - m, 0) for c, n, m in zip(plan.counts, layer.lens, plan.missing)]
-        plan.caps = [c + m + s.slack_tokens for c, m in zip(plan.counts, plan.missing)] if alloc is not None \
-            else [s.capacity] * layer.heads
+        plan.counts = [max(c - room, 0) for c in plan.counts]
+        plan.caps = [c + room + s.slack_tokens for c in plan.counts] if alloc is not None \
+            else [max(s.capacity, c + room + s.slack_tokens) for c in plan.counts]
         if policy.layer_independent and alloc is None and reference is not None \
-                and torch.equal(reference.view.positions, view.positions):
+                and torch.equal(reference.view.positions, view.positions) and torch.equal(reference.view.valid,
+                                                                                           view.valid):
             plan.same_as = reference  # a position-only policy: the same choice as the layer with the same positions
         else:
             plan.scores = policy.score(view)
@@ -142,26 +139,41 @@ def compress(session, keep: int, reason: str, bring: torch.Tensor | None = None)
     first = plans[0].view
     held = first.positions[0][first.valid[0]]
     g = held if first.groups is None else first.groups[0][first.valid[0]]
-    evicted_groups = torch.unique(g).numel() - torch.unique(g[plans[0].index[0].to(g.device)]).numel()
-    next_pos = max(int(i.numel()) + m for p in plans for i, m in zip(p.index, p.missing))
+    kept_groups = first.positions[0][plans[0].index[0].to(first.positions.device)] if first.groups is None else \
+        first.groups[0][plans[0].index[0].to(first.groups.device)]
+    evicted_groups = torch.unique(g).numel() - torch.unique(kept_groups).numel()
+    next_pos = max(int(i.numel()) for p in plans for i in p.index)
     rotary = session.model.rotary if s.positions == "rerotate" else None
-    if bring is None and (rotary is None or cache.archive is None):  # kept keys stay where they are, or move live
-        for p in plans:
-            p.layer.keep(p.index, rotary, next_pos, p.caps)
-    else:  # every key taken from the archive and rotated once to its slot: all layers at once (core/cache/rebuild.py)
-        if all(p.index is plans[0].index for p in plans) and not any(p.layer.stats for p in plans):
-            shared = slots(plans[0].layer, plans[0].index, bring)  # a position-only policy: one choice for all
-            built = [(p.layer, shared, p.caps) for p in plans]
-        else:
-            built = [(p.layer, s, p.caps) for p, s in zip(plans, slots_of([(p.layer, p.index) for p in plans], bring))]
-        rebuild(built, cache.archive, session.model.rotary, s.positions == "original", next_pos)
+    for p in plans:
+        p.layer.keep(p.index, rotary, next_pos, p.caps)
     after = cache.mean_length
-    brought = sum(sum(p.missing) for p in plans) / max(sum(len(p.missing) for p in plans), 1)
     session.evictions.record({"turn": session.turn, "reason": reason, "before": before, "after": after,
-                              "evicted_tokens": round(before + brought - after), "evicted_groups": evicted_groups,
+                              "evicted_tokens": before - after, "evicted_groups": evicted_groups,
                               "total_tokens": session.log.n, "created_at": now_iso()})
     if session.recall_release:  # the reply's first compression kept what recall brought back; now the policy decides
         session.recall_guard, session.recall_release = session.recall_guard[:0], False
+
+
+def reorder(session, brought: torch.Tensor) -> None:
+    """Every head's slots back in conversation order after recall read the positions ``brought`` again at the end
+    of the cache: each key rotated once from where it was computed to its slot (``rerotate``) or to its absolute
+    position (``original``); the brought slots start each statistic at the median of the head's other slots (the
+    lower middle one; 0 for a head that has none)."""
+    rotary = session.model.rotary
+    original = session.settings.positions == "original"
+    layers = [layer for layer in session.cache.layers if layer.is_initialized]
+    next_pos = max(layer.length for layer in layers)
+    for layer in layers:
+        for name, t in layer.stats.items():
+            for h in range(layer.heads):
+                slots = layer.head_view(t, h)
+                mine = torch.isin(layer.head_view(layer.abs_pos, h), brought.to(layer.device))
+                others = slots[~mine]
+                slots[mine] = others.median() if others.numel() else 0.0
+        order = [torch.argsort(layer.head_view(layer.abs_pos, h), stable=True) for h in range(layer.heads)]
+        layer.keep(order, None if original else rotary, None if original else next_pos)
+        if original and rotary is not None:
+            layer.shift_positions(rotary, to_original=True)
 
 
 def protected(session, positions: torch.Tensor, lens: list[int], keep: int) -> torch.Tensor:

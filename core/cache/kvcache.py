@@ -38,12 +38,16 @@ class KVCache(Cache):
     appends the same tokens to every head.
     """
 
-    def __init__(self, num_layers: int, capacity: int | None, max_capacity: int, archive=None):
+    def __init__(self, num_layers: int, capacity: int | None, max_capacity: int, keeps_computed: bool = False):
         self.capacity = capacity
         self.max_capacity = max_capacity
         self.incoming_abs: torch.Tensor | None = None
-        #: Where every computed key and value is also written (storage/archive.py); kept keys are re-rotated from it.
-        self.archive = archive
+        self.incoming_pos: torch.Tensor | None = None  # the positions the incoming tokens' keys are computed at
+        #: Whether each slot keeps its key as computed (``KVLayer.k0``): models with RoPE, whose kept keys are
+        #: re-rotated from it.
+        self.keeps_computed = keeps_computed
+        #: Called with the cache before a compression drops any slot (recall's digests take the keys they need).
+        self.on_compress: list = []
         super().__init__(layers=[KVLayer(self, i) for i in range(num_layers)])
 
     def initial_capacity(self, needed: int) -> int:
@@ -113,65 +117,81 @@ class KVCache(Cache):
 
     # -- snapshots --------------------------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every used slot's tensors, per layer and head (``{layer}.{head}.{name}``), with each layer's capacities
+        and offsets: an in-memory copy (the undo checkpoint, core/engine/checkpoint.py)."""
         out = {}
         for i, layer in enumerate(self.layers):
             if not layer.is_initialized:
                 continue
             for h in range(layer.heads):
-                a, n = layer.offs[h], layer.lens[h]
-                out[f"{i}.{h}.keys"] = layer.keys[a: a + n].contiguous()
-                out[f"{i}.{h}.values"] = layer.values[a: a + n].contiguous()
-                out[f"{i}.{h}.abs_pos"] = layer.abs_pos[a: a + n].contiguous()
+                for name, t in layer.per_slot().items():
+                    out[f"{i}.{h}.{name}"] = layer.head_view(t, h).contiguous()
             out[f"{i}.pos_off"] = torch.tensor(layer.pos_off)
             out[f"{i}.caps"] = torch.tensor(layer.caps)
-            for name, t in layer.stats.items():
-                out[f"{i}.stat.{name}"] = t.contiguous()
         return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        for i, layer in enumerate(self.layers):
+            if f"{i}.caps" not in tensors:
+                continue
+            caps = tensors[f"{i}.caps"].tolist()
+            per_head = [{name.split(".", 2)[2]: t for name, t in tensors.items() if name.startswith(f"{i}.{h}.")}
+                        for h in range(len(caps))]
+            layer.load(caps, per_head, tensors[f"{i}.pos_off"].tolist())
+
+    #: What the durable state keeps of each slot (``slot_state``); keys and values are in the storage's rows.
+    SLOT_STATE = ("abs_pos", "computed", "rows")
 
     def slot_state(self) -> dict[str, torch.Tensor]:
-        """Which positions each (layer, head) holds, where its slots sit, and the per-slot statistics: with the
-        archive, everything needed to rebuild the cache exactly (``load_slot_state``)."""
+        """Which positions each (layer, head) holds, where each key was computed, the storage row of each slot's
+        computed key and value (storage/kvrows.py), the per-slot statistics, and each layer's capacities and
+        offsets: with the rows, everything needed to rebuild the cache exactly (``load_slot_state``)."""
         out = {}
         for i, layer in enumerate(self.layers):
             if not layer.is_initialized:
                 continue
             for h in range(layer.heads):
-                out[f"{i}.{h}.abs_pos"] = layer.head_view(layer.abs_pos, h).contiguous()
+                for name, t in layer.per_slot().items():
+                    if name in self.SLOT_STATE or name.startswith("stat."):
+                        out[f"{i}.{h}.{name}"] = layer.head_view(t, h).cpu().contiguous()
             out[f"{i}.pos_off"] = torch.tensor(layer.pos_off)
             out[f"{i}.caps"] = torch.tensor(layer.caps)
-            for name, t in layer.stats.items():
-                out[f"{i}.stat.{name}"] = t.contiguous()
         return out
 
-    def load_slot_state(self, tensors: dict[str, torch.Tensor], rotary, original: bool, device) -> None:
-        """Rebuild the layers from ``slot_state()`` and the archive, as a compression does (core/cache/rebuild.py): values
-        as archived, keys rotated once from where they were computed to their slot's position (the absolute one in
-        ``original`` mode)."""
-        from .rebuild import Slots, rebuild
-
-        _, kdim, vdim, dtype = self.archive.layout
-        plans = []
+    def load_slot_state(self, tensors: dict[str, torch.Tensor], read, rotary, original: bool, device,
+                        dtype: torch.dtype, dims: tuple[int, int]) -> None:
+        """Rebuild the layers from ``slot_state()``: each slot's computed key and value read from the storage
+        (``read(layer, rows) -> [heads, width, key dim + value dim]`` for the slots' rows [heads, width], padded with
+        row 0), the key rotated once from where it was computed to its slot's position (its absolute one in
+        ``original`` mode), as a compression does."""
+        kdim, vdim = dims
         for i, layer in enumerate(self.layers):
             if f"{i}.caps" not in tensors:
                 continue
             caps, pos_off = tensors[f"{i}.caps"].tolist(), tensors[f"{i}.pos_off"].tolist()
-            held = [tensors[f"{i}.{h}.abs_pos"].long() for h in range(len(caps))]
-            lens = [int(p.numel()) for p in held]
-            width = max(lens, default=0)
-            padded = torch.stack([torch.nn.functional.pad(p, (0, width - p.numel())) for p in held])
-            layer.start(dtype, device, kdim, vdim)
-            plans.append((layer, Slots(padded, lens, {}, pos_off), caps))
-        rebuild(plans, self.archive, rotary, original)
-        for layer, _, _ in plans:  # the per-slot statistics as saved, whole buffers
-            prefix = f"{layer.index}.stat."
-            layer.stats = {k[len(prefix):]: t.to(device) for k, t in tensors.items() if k.startswith(prefix)}
-
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor], device, dtype) -> None:
-        for i, layer in enumerate(self.layers):
-            caps = tensors[f"{i}.caps"].tolist()
             heads = range(len(caps))
-            prefix = f"{i}.stat."
-            layer.load(caps, [tensors[f"{i}.{h}.keys"].to(device=device, dtype=dtype) for h in heads],
-                       [tensors[f"{i}.{h}.values"].to(device=device, dtype=dtype) for h in heads],
-                       [tensors[f"{i}.{h}.abs_pos"] for h in heads], tensors[f"{i}.pos_off"].tolist(),
-                       {k[len(prefix):]: t.to(device) for k, t in tensors.items() if k.startswith(prefix)})
+            lens = [int(tensors[f"{i}.{h}.abs_pos"].numel()) for h in heads]
+            width = max(lens, default=0)
+            names = sorted({k.split(".", 2)[2] for k in tensors if k.startswith(f"{i}.0.")})
+
+            def padded(name: str, h: int) -> torch.Tensor:
+                t = tensors[f"{i}.{h}.{name}"]
+                return torch.nn.functional.pad(t, (0, width - t.numel()))
+
+            fields = {name: torch.stack([padded(name, h) for h in heads]) for name in names}
+            data = read(i, fields["rows"])
+            fields["k0"], fields["values"] = data[..., :kdim], data[..., kdim:]
+            if rotary is None:
+                fields["keys"] = fields["k0"]
+            else:
+                target = fields["abs_pos"].long() if original else \
+                    torch.tensor(pos_off)[:, None] + torch.arange(width)[None, :]
+                fields["keys"] = rotary.rotate(fields["k0"], target - fields["computed"].long())
+            layer.start(dtype, device, kdim, vdim)
+            layer.fill(caps, fields, lens, pos_off)
+
+    def rows_named(self) -> torch.Tensor:
+        """The storage rows every used slot names (-1 for slots not written yet), one flat CPU tensor."""
+        named = [layer.head_view(layer.rows, h) for layer in self.layers if layer.is_initialized
+                 for h in range(layer.heads)]
+        return torch.cat(named).cpu() if named else torch.zeros(0, dtype=torch.int64)

@@ -1,9 +1,18 @@
 """One layer of the KV cache: a flat buffer in which every KV head owns its own region of slots.
 
-Head h owns rows ``[offs[h], offs[h] + caps[h])`` of ``keys``, ``values``, ``abs_pos`` (the absolute position of
-the token each slot holds) and of every per-slot statistic; its first ``lens[h]`` rows are in use, in time order.
-New tokens are written after the last used slot; ``keep()`` gathers the slots to keep to the front of each region
-(re-rotating their keys in ``rerotate`` mode). The interface transformers calls is ``update``; the engine calls
+Head h owns rows ``[offs[h], offs[h] + caps[h])`` of every per-slot tensor; its first ``lens[h]`` rows are in use,
+in time order. Per slot:
+
+* ``keys`` (at the slot's position: what attention reads) and ``values``;
+* ``k0``: the key as it was computed (rotated to the position it was computed at), for models with RoPE. Every
+  re-rotation starts from it (``keep``, ``shift_positions``), so a kept key is rotated once from where it was
+  computed, however many compressions it lives through: it equals the key computed at its new position (tested);
+* ``abs_pos`` (the token's absolute position in the conversation), ``computed`` (where its key was computed) and
+  ``rows`` (where the storage keeps its computed key and value, storage/kvrows.py; -1 until the turn commits);
+* the policy's statistics (``stats``, e.g. H2O's "acc").
+
+New tokens are written after the last used slot (``claim``, then the keys and values); ``keep()`` gathers the
+slots to keep to the front of each region. The interface transformers calls is ``update``; the engine calls
 ``keep``, ``resize`` and reads ``positions()`` / ``keys_dense()``.
 """
 
@@ -13,6 +22,10 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from .positions import Rotary
+
+#: The per-slot tensors besides the statistics, with their dtypes (None: the model's).
+SLOT_TENSORS = {"keys": None, "values": None, "k0": None, "abs_pos": torch.int32, "computed": torch.int32,
+                "rows": torch.int64}
 
 
 class RaggedKV:
@@ -38,19 +51,16 @@ class KVLayer(CacheLayerMixin):
         self.offs: list[int] = []
         self.pos_off: list[int] = []  # rerotate mode: slot i of head h sits at position pos_off[h] + i
         self.stats: dict[str, torch.Tensor] = {}  # per-slot statistics, one float per slot (e.g. "acc")
-        self.abs_pos: torch.Tensor | None = None
+        self.abs_pos = self.computed = self.rows = self.k0 = None
 
     # -- transformers' layer interface ------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.shape[0] != 1:
             raise ValueError("kvchat sessions run one conversation per cache (batch size 1)")
-        self.dtype, self.device = key_states.dtype, key_states.device
-        heads = key_states.shape[1]
-        self._dims = (key_states.shape[-1], value_states.shape[-1])
-        self.lens = [0] * heads
-        self.pos_off = [0] * heads  # a fresh cache: slot i holds position i
-        self._allocate([self._owner.initial_capacity(key_states.shape[-2])] * heads)
-        self.is_initialized = True
+        self.start(key_states.dtype, key_states.device, key_states.shape[-1], value_states.shape[-1])
+        self.lens = [0] * key_states.shape[1]
+        self.pos_off = [0] * key_states.shape[1]  # a fresh cache: slot i holds position i
+        self._allocate([self._owner.initial_capacity(key_states.shape[-2])] * key_states.shape[1])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -74,36 +84,47 @@ class KVLayer(CacheLayerMixin):
 
     def appended(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """What ``update`` records besides writing the keys and values ([1, heads, q, dim]) after each head's last
-        used slot: the archive's copy, the tokens' positions, zeroed statistics; then every head holds q more. The
+        used slot: the tokens' positions, zeroed statistics, the computed keys; then every head holds q more. The
         compiled decode step (core/decode) writes a token's key and value itself and calls this; the caller checked
         the room."""
-        self.staged(key_states, value_states)
         self.claim(key_states.shape[-2])
-
-    def staged(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """The archive's copy of the keys and values ([1, heads, q, dim]) a forward appends to this layer."""
-        if self._owner.archive is not None:
-            self._owner.archive.stage(self.index, key_states, value_states)
+        self.staged(key_states)
 
     def claim(self, q: int) -> None:
-        """The next q slots of every head taken for the tokens being appended: their positions recorded, their
-        statistics zeroed, every head holding q more (the caller writes their keys and values, and ``staged`` them;
-        the eager step's one-call layers claim the slot first, so that the call adds attention's sums to zeroed
-        statistics)."""
-        incoming = self._owner.incoming_abs
+        """The next q slots of every head taken for the tokens being appended: their absolute positions and the
+        positions their keys are computed at recorded, no storage row yet, statistics zeroed, every head holding q
+        more (the caller writes their keys and values, and ``staged`` the keys; the eager step's one-call layers
+        claim the slot first, so that the call adds attention's sums to zeroed statistics)."""
+        incoming, at = self._owner.incoming_abs, self._owner.incoming_pos
+        at = incoming if at is None else at  # a cache fed by hand (tests): computed where it sits
         if self.uniform:
             n = self.lens[0]
             self._slots(self.abs_pos, n, q).copy_(incoming)
+            self._slots(self.computed, n, q).copy_(at)
+            self._slots(self.rows, n, q).fill_(-1)
             for t in self.stats.values():
                 self._slots(t, n, q).zero_()
             self.lens = [n + q] * self.heads
             return
         for h in range(self.heads):
             a = self.offs[h] + self.lens[h]
-            self.abs_pos[a: a + q] = incoming
+            self.abs_pos[a: a + q], self.computed[a: a + q], self.rows[a: a + q] = incoming, at, -1
             for t in self.stats.values():
                 t[a: a + q] = 0
             self.lens[h] += q
+
+    def staged(self, key_states: torch.Tensor) -> None:
+        """The computed keys ([1, heads, q, dim]) of the q slots each head claimed last, kept as ``k0``."""
+        if self.k0 is None:
+            return
+        q = key_states.shape[-2]
+        if self.uniform:
+            n, cap = self.lens[0] - q, self.caps[0]
+            self.k0.view(self.heads, cap, -1)[:, n: n + q] = key_states[0]
+            return
+        for h in range(self.heads):
+            a = self.offs[h] + self.lens[h] - q
+            self.k0[a: a + q] = key_states[0, h]
 
     def free_slot(self) -> int | None:
         """The slot a one-token step writes in every head, when every head holds the same number of tokens in
@@ -156,6 +177,12 @@ class KVLayer(CacheLayerMixin):
     def uniform(self) -> bool:
         return len(set(self.caps)) == 1 and len(set(self.lens)) == 1
 
+    def per_slot(self) -> dict[str, torch.Tensor]:
+        """Every per-slot tensor of the layer by name (``SLOT_TENSORS`` the layer has, then ``stat.<name>``)."""
+        out = {name: getattr(self, name) for name in SLOT_TENSORS if getattr(self, name) is not None}
+        out.update({f"stat.{name}": t for name, t in self.stats.items()})
+        return out
+
     def _allocate(self, caps: list[int]) -> None:
         kdim, vdim = self._dims
         total = sum(caps)
@@ -165,7 +192,11 @@ class KVLayer(CacheLayerMixin):
         # unused ones masked, and a masked probability times a NaN left in an unused value slot would still be NaN.
         self.keys = torch.zeros(total, kdim, dtype=self.dtype, device=self.device)
         self.values = torch.zeros(total, vdim, dtype=self.dtype, device=self.device)
-        self.abs_pos = torch.empty(total, dtype=torch.int32, device=self.device)
+        self.k0 = torch.zeros(total, kdim, dtype=self.dtype, device=self.device) if self._owner.keeps_computed \
+            else None
+        self.abs_pos = torch.zeros(total, dtype=torch.int32, device=self.device)
+        self.computed = torch.zeros(total, dtype=torch.int32, device=self.device)
+        self.rows = torch.full((total,), -1, dtype=torch.int64, device=self.device)
         self.stats = {name: torch.zeros(total, dtype=t.dtype, device=self.device) for name, t in self.stats.items()}
 
     def resize(self, caps: list[int]) -> None:
@@ -174,16 +205,13 @@ class KVLayer(CacheLayerMixin):
             raise ValueError(f"cannot shrink heads holding {self.lens} tokens to {caps} slots")
         if list(caps) == self.caps:
             return
-        old = (self.keys, self.values, self.abs_pos, dict(self.stats), list(self.offs))
+        old, offs = self.per_slot(), list(self.offs)
         self._allocate(caps)
-        keys, values, abs_pos, stats, offs = old
+        new = self.per_slot()
         for h, n in enumerate(self.lens):
             src, dst = slice(offs[h], offs[h] + n), slice(self.offs[h], self.offs[h] + n)
-            self.keys[dst] = keys[src]
-            self.values[dst] = values[src]
-            self.abs_pos[dst] = abs_pos[src]
-            for name, t in stats.items():
-                self.stats[name][dst] = t[src]
+            for name, t in old.items():
+                new[name][dst] = t[src]
 
     def ensure_stat(self, name: str) -> torch.Tensor:
         """A per-slot float statistic (zeros for slots that held nothing yet)."""
@@ -225,30 +253,31 @@ class KVLayer(CacheLayerMixin):
         """Keys as [1, heads, max_len, dim] (zeros where a shorter head has none)."""
         return self.padded(self.keys)[None]
 
-    def load(self, caps: list[int], keys: list[torch.Tensor], values: list[torch.Tensor],
-             abs_pos: list[torch.Tensor], pos_off: list[int], stats: dict[str, torch.Tensor]) -> None:
-        """Fill the layer from saved per-head keys, values and positions (a snapshot or an undo copy)."""
-        self.dtype, self.device = keys[0].dtype, keys[0].device
-        self._dims = (keys[0].shape[-1], values[0].shape[-1])
-        self.stats = {}
+    def load(self, caps: list[int], tensors: list[dict[str, torch.Tensor]], pos_off: list[int]) -> None:
+        """Fill the layer from saved per-head slot tensors (``tensors[h]``: name -> [n_h, ...], as ``per_slot``
+        names them; an undo copy)."""
+        first = tensors[0]["keys"]
+        self.start(first.dtype, first.device, first.shape[-1], tensors[0]["values"].shape[-1])
+        self.stats = {name[5:]: torch.zeros(0, dtype=t.dtype) for name, t in tensors[0].items()
+                      if name.startswith("stat.")}
         self.lens = [0] * len(caps)
         self._allocate(caps)
-        self.is_initialized = True
-        for h, (k, v, p) in enumerate(zip(keys, values, abs_pos)):
-            dst = slice(self.offs[h], self.offs[h] + k.shape[0])
-            self.keys[dst], self.values[dst] = k, v
-            self.abs_pos[dst] = p.to(device=self.device, dtype=torch.int32)
-            self.lens[h] = k.shape[0]
+        slots = self.per_slot()
+        for h, saved in enumerate(tensors):
+            n = saved["keys"].shape[0]
+            for name, t in saved.items():
+                if name in slots:
+                    slots[name][self.offs[h]: self.offs[h] + n] = t
+            self.lens[h] = n
         self.pos_off = list(pos_off)
-        self.stats = dict(stats)
 
     # -- compression ------------------------------------------------------------------------------------------
     def keep(self, index: list[torch.Tensor], rotary: Rotary | None = None, next_pos: int | None = None,
              caps: list[int] | None = None) -> None:
-        """Keep, per head, the slots ``index[h]`` (ascending) and drop the rest; then set capacities ``caps``.
+        """Keep, per head, the slots ``index[h]`` in that order and drop the rest; then set capacities ``caps``.
 
-        With ``rotary`` the kept keys are rotated from their current position to their new one: head h's kept
-        slots end right before ``next_pos`` (the position the next token will get in every layer).
+        With ``rotary`` each kept key is the computed one rotated once to its new position: head h's kept slots end
+        right before ``next_pos`` (the position the next token will get in every layer).
         """
         caps = caps or self.caps
         kept = [int(i.numel()) for i in index]
@@ -258,23 +287,19 @@ class KVLayer(CacheLayerMixin):
         gathered = []
         for h, idx in enumerate(index):
             src = idx.to(self.device) + self.offs[h]
-            keys = self.keys[src]
+            taken = {name: t[src] for name, t in self.per_slot().items()}
             if rotary is not None:
                 new_pos = next_pos - kept[h] + torch.arange(kept[h], device=self.device)
-                keys = self._rotated(keys[None], self.abs_pos[src][None], new_pos[None],
-                                     (self.pos_off[h] + idx.to(self.device))[None], rotary, [h])[0]
-            gathered.append((keys, self.values[src], self.abs_pos[src],
-                             {name: t[src] for name, t in self.stats.items()}))
+                taken["keys"] = self._rotated(taken, new_pos, rotary)
+            gathered.append(taken)
         if caps != self.caps:
             self.lens = [0] * self.heads
             self._allocate(caps)
-        for h, (keys, values, abs_pos, stats) in enumerate(gathered):
+        slots = self.per_slot()
+        for h, taken in enumerate(gathered):
             dst = slice(self.offs[h], self.offs[h] + kept[h])
-            self.keys[dst] = keys
-            self.values[dst] = values
-            self.abs_pos[dst] = abs_pos
-            for name, t in stats.items():
-                self.stats[name][dst] = t
+            for name, t in taken.items():
+                slots[name][dst] = t
         self.lens = kept
         if next_pos is not None:
             self.pos_off = [next_pos - k for k in kept]
@@ -283,90 +308,71 @@ class KVLayer(CacheLayerMixin):
         """``keep`` for heads of equal capacity keeping equally many slots: one batched gather per tensor."""
         heads, k = index.shape
         cap = self.caps[0]
-        keys = torch.gather(self.keys.view(heads, cap, -1), 1, index[:, :, None].expand(-1, -1, self.keys.shape[-1]))
-        values = torch.gather(self.values.view(heads, cap, -1), 1,
-                              index[:, :, None].expand(-1, -1, self.values.shape[-1]))
-        abs_pos = self.abs_pos.view(heads, cap)
-        kept_abs = torch.gather(abs_pos, 1, index)
+        taken = {}
+        for name, t in self.per_slot().items():
+            view = t.view(heads, cap, -1) if t.dim() == 2 else t.view(heads, cap)
+            at = index[:, :, None].expand(-1, -1, view.shape[-1]) if t.dim() == 2 else index
+            taken[name] = (view, torch.gather(view, 1, at))
         if rotary is not None:
-            old_pos = index + torch.tensor(self.pos_off, device=self.device)[:, None]
             new_pos = next_pos - k + torch.arange(k, device=self.device)[None, :].expand(heads, -1)
-            keys = self._rotated(keys, kept_abs, new_pos, old_pos, rotary)
-        self.keys.view(heads, cap, -1)[:, :k] = keys
-        self.values.view(heads, cap, -1)[:, :k] = values
-        abs_pos[:, :k] = kept_abs
-        for t in self.stats.values():
-            view = t.view(heads, cap)
-            view[:, :k] = torch.gather(view, 1, index)
+            view, _ = taken["keys"]
+            taken["keys"] = (view, self._rotated({name: t for name, (_, t) in taken.items()}, new_pos, rotary))
+        for view, t in taken.values():
+            view[:, :k] = t
         self.lens = [k] * heads
         if next_pos is not None:
             self.pos_off = [next_pos - k] * heads
 
+    def _rotated(self, taken: dict[str, torch.Tensor], target: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """The keys of slots ``taken`` (their per-slot tensors, gathered) at positions ``target``: each computed key
+        rotated once, from where it was computed."""
+        if taken.get("k0") is None:
+            raise RuntimeError("a cache that rotates keys keeps their computed keys (KVCache(keeps_computed=True))")
+        return rotary.rotate(taken["k0"], target - taken["computed"].long())
+
     def start(self, dtype: torch.dtype, device, kdim: int, vdim: int) -> None:
-        """Make an empty layer ready for ``fill`` (a cache rebuilt from the archive, before any forward)."""
+        """Make an empty layer ready for ``fill`` or the first ``update``."""
         self.dtype, self.device, self._dims = dtype, device, (kdim, vdim)
         self.lens, self.caps, self.stats = [], [], {}
         self.is_initialized = True
 
-    def fill(self, caps: list[int], keys: torch.Tensor | None, values: torch.Tensor | None, held: torch.Tensor,
-             lens: list[int], pos_off: list[int], stats: dict[str, torch.Tensor]) -> None:
-        """Hold, per head h, the first ``lens[h]`` rows of ``keys[h]``, ``values[h]`` ([heads, width, dim]),
-        ``held[h]`` (absolute positions) and of each statistic ([heads, width]), head h's first slot at position
-        ``pos_off[h]``; with ``caps`` slots per head (the buffers are reused when the capacities stay)."""
+    def fill(self, caps: list[int], tensors: dict[str, torch.Tensor], lens: list[int], pos_off: list[int]) -> None:
+        """Hold, per head h, the first ``lens[h]`` rows of each of ``tensors`` (name -> [heads, width, ...], as
+        ``per_slot`` names them), head h's first slot at position ``pos_off[h]``, with ``caps`` slots per head
+        (the buffers are reused when the capacities stay)."""
+        for name in tensors:
+            if name.startswith("stat."):
+                self.stats.setdefault(name[5:], torch.zeros(0, device=self.device))
         if list(caps) != self.caps:
             self.lens = [0] * len(caps)
             self._allocate(caps)
-        for name in stats:
-            self.ensure_stat(name)
-        if keys is not None:
-            keys = keys.to(device=self.device, dtype=self.dtype)
-            values = values.to(device=self.device, dtype=self.dtype)
-        held = held.to(device=self.device, dtype=torch.int32)
-        if len(set(self.caps)) == 1 and len(set(lens)) == 1:
-            n, cap = lens[0], self.caps[0]
-            if n:
-                self.keys.view(self.heads, cap, -1)[:, :n] = keys[:, :n]
-                self.values.view(self.heads, cap, -1)[:, :n] = values[:, :n]
-                self.abs_pos.view(self.heads, cap)[:, :n] = held[:, :n]
-                for name, t in stats.items():
-                    self.stats[name].view(self.heads, cap)[:, :n] = t[:, :n]
-        else:
-            for h, n in enumerate(lens):
-                dst = slice(self.offs[h], self.offs[h] + n)
-                if n:
-                    self.keys[dst], self.values[dst], self.abs_pos[dst] = keys[h, :n], values[h, :n], held[h, :n]
-                    for name, t in stats.items():
-                        self.stats[name][dst] = t[h, :n]
+        for name in tensors:
+            if name.startswith("stat."):
+                self.ensure_stat(name[5:])
+        slots = self.per_slot()
+        for h, n in enumerate(lens):
+            dst = slice(self.offs[h], self.offs[h] + n)
+            for name, t in tensors.items():
+                if name in slots and n:
+                    slots[name][dst] = t[h, :n].to(device=self.device, dtype=slots[name].dtype)
         self.lens = list(lens)
         self.pos_off = list(pos_off)
 
     def shift_positions(self, rotary: Rotary, to_original: bool) -> None:
-        """Rotate every held key between its ``rerotate`` position and its absolute position."""
+        """Rotate every held key to its absolute position (``to_original``) or to its slot's ``rerotate`` position,
+        from its computed key."""
         for h in range(self.heads):
             a, n = self.offs[h], self.lens[h]
-            slots = self.pos_off[h] + torch.arange(n, device=self.device)
-            held = self.abs_pos[a: a + n].long()
-            new, old = (held, slots) if to_original else (slots, held)
-            self.keys[a: a + n] = self._rotated(self.keys[a: a + n][None], held[None], new[None], old[None],
-                                                rotary, [h])[0]
-
-    def _rotated(self, keys: torch.Tensor, held: torch.Tensor, new: torch.Tensor, old: torch.Tensor,
-                 rotary: Rotary, heads: list[int] | None = None) -> torch.Tensor:
-        """Keys [rows, n, dim] of absolute positions ``held`` (row r: head ``heads[r]``, by default r) moved from
-        positions ``old`` to ``new`` (each [rows, n]): taken from the archive and rotated once from where they
-        were computed, when the cache has one."""
-        archive = self._owner.archive
-        if archive is None:
-            return rotary.rotate(keys, new - old)
-        archived, _, computed = archive.keys_values(self.index, held.long(), heads)
-        return rotary.rotate(archived, new.cpu().long() - computed.long()).to(device=self.device, dtype=self.dtype)
+            target = self.abs_pos[a: a + n].long() if to_original else \
+                self.pos_off[h] + torch.arange(n, device=self.device)
+            taken = {name: t[a: a + n] for name, t in self.per_slot().items()}
+            self.keys[a: a + n] = self._rotated(taken, target, rotary)
 
     @property
     def nbytes(self) -> int:
         if not self.is_initialized:
             return 0
-        tensors = [self.keys, self.values, self.abs_pos, *self.stats.values()]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self.per_slot().values())
 
     @property
     def kv_bytes(self) -> int:

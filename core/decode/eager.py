@@ -12,8 +12,8 @@ one token, in one of two ways:
   norm, q/k/v as one product, their bias, the rotary embedding of q and k, the new key and value written into the
   layer's buffers, attention over them in place, the output projection, the norm, the MLP, and H2O's sums where the
   observer keeps them, ``Observer.step_sums``), the cache layer having claimed the slot before (its position, zeroed
-  statistics: ``KVLayer.claim``) and staging the archive's copy after; where a head has no free slot (the cache
-  resizes first) ``kvchat::project``, the cache layer's ``update`` and ``kvchat::block``, the same computation.
+  statistics: ``KVLayer.claim``) and keeping the computed key after (``KVLayer.staged``); where a head has no free
+  slot (the cache resizes first) ``kvchat::project``, the cache layer's ``update`` and ``kvchat::block``, the same computation.
   ``kvchat::project`` then runs the output layer. Heads of different lengths (``headaware``) take the attention
   below and the operators for the products. The products widen the fp16 weights in registers and sum in fp32 with
   the input unrounded, where an fp16 GEMM rounds the input and the products to fp16: logits within that rounding of
@@ -169,7 +169,7 @@ class DecodeStep:
                                                            layer.caps[0], n, lay.attn.scaling, lay.o.weight,
                                                            lay.norm2.weight, lay.norm2.eps, lay.gate_up.weight,
                                                            lay.down.weight, sums)
-                layer.staged(k, v)
+                layer.staged(k)
                 if observer is not None:
                     observer(lay.attn, q, layer.held_keys(), lay.attn.scaling, probs=[probs], summed=sums is not None)
                 continue

@@ -15,10 +15,10 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ...policies import make_policy
-from ..cache.kvcache import KVCache
 from ..cache.compress import Evictions
 from .settings import Settings
 
@@ -34,7 +34,7 @@ class Checkpoint:
     sentence: tuple[int, bool]
     messages: list[dict]
     turn: int
-    history: int  # turns in the history
+    history: list  # the turns' results
     evictions: Evictions
     system_tokens: int
     last_logits: torch.Tensor | None
@@ -44,10 +44,14 @@ class Checkpoint:
     title: str | None
     conversation_id: int | None
     generator: torch.Tensor
+    digests: tuple[int, int, int] | None  # recall's digest window (first, end, covered)
+    log: object = None  # a copy of the token log (``whole``), where restoring may go forward in time
+
 
     @classmethod
-    def capture(cls, session) -> "Checkpoint":
-        """A copy of the kept KV and of everything that indexes it."""
+    def capture(cls, session, whole: bool = False) -> "Checkpoint":
+        """A copy of the kept KV and of everything that indexes it. ``whole``: the token log copied too (a redo
+        copy, which puts back a session that lost tokens since, where an undo copy only cuts the log back)."""
         observer = session.observer
         return cls(
             settings=session.settings, policy_state=copy.deepcopy(session.policy.get_state()),
@@ -55,10 +59,12 @@ class Checkpoint:
             cache={k: t.clone() for k, t in session.cache.state_tensors().items()},
             observer={k: t.clone() for k, t in observer.state_tensors().items()} if observer is not None else {},
             log_n=session.log.n, sentence=session.log.sentence, messages=[dict(m) for m in session.messages],
-            turn=session.turn, history=len(session.history), evictions=copy.deepcopy(session.evictions),
+            turn=session.turn, history=list(session.history), evictions=copy.deepcopy(session.evictions),
             system_tokens=session.system_tokens, last_logits=session.last_logits, warned=set(session.warned),
             pending=list(session.pending), pending_settings=list(session.pending_settings), title=session.title,
             conversation_id=session.conversation_id, generator=session.generator.get_state(),
+            digests=session.digests.window() if session.digests is not None else None,
+            log=copy.deepcopy(session.log) if whole else None,
         )
 
     def restore(self, session) -> list[dict]:
@@ -68,21 +74,31 @@ class Checkpoint:
         removed = session.messages[len(self.messages):]
         session.settings, session.policy = self.settings, make_policy(self.settings.policy, **self.settings.params)
         session.policy.set_state(self.policy_state)
-        session.cache = KVCache(model.num_layers, self.capacity, model.max_positions, session.archive)
+        session.cache = session.new_cache(self.capacity)
         if self.cache:
-            session.cache.load_state_tensors(self.cache, model.device, model.dtype)
+            session.cache.load_state_tensors(self.cache)
         session.observer = session.make_observer(session.policy)
         if session.observer is not None and self.observer:
             session.observer.load_state_tensors(self.observer, model.device)
-        session.log.truncate(self.log_n, self.sentence)
+        if self.log is not None:
+            session.log = copy.deepcopy(self.log)
+        else:
+            session.log.truncate(self.log_n, self.sentence)
         session.messages, session.turn = self.messages, self.turn
-        del session.history[self.history:]
+        session.history[:] = self.history
         session.evictions = self.evictions
         session.system_tokens, session.last_logits, session.warned = self.system_tokens, self.last_logits, self.warned
         session.pending, session.pending_settings = self.pending, self.pending_settings
         session.title = self.title
         session.generator.set_state(self.generator)
+        if session.digests is not None and self.digests is not None:
+            session.digests.rewind(*self.digests)
         return removed
+
+    def rows_named(self) -> np.ndarray:
+        """The storage rows the copy's slots name (core/engine/persist.py keeps them until the copy is gone)."""
+        named = [t for key, t in self.cache.items() if key.endswith(".rows")]
+        return torch.cat(named).cpu().numpy() if named else np.zeros(0, dtype=np.int64)
 
 
 @dataclass
@@ -90,7 +106,7 @@ class ReadMark:
     """The session before one message is read, when reading it can only append: the message fits every head's free
     slots, so no compression (and no reallocation) runs while it is fed. ``restore`` forgets the read: each head's
     length, the per-slot statistics the read added to, the observer's query window, the token log and the last
-    logits (the caller truncates the archive, as after ``Checkpoint.restore``). Recall reads a message for its
+    logits (the caller forgets what recall's digests staged of the read). Recall reads a message for its
     queries and forgets the read this way when it can; a ``Checkpoint`` copies the whole cache."""
 
     lens: list[list[int]]

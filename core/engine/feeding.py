@@ -23,10 +23,10 @@ class Feeding:
 
     @property
     def recalling(self) -> bool:
-        """Whether a user message followed by an answer recalls evicted text (recall on, a bounded policy, and the
-        conversation's archive to recall from)."""
-        return (self.settings.recall == "on" and self.policy.bounded and self.archive is not None
-                and self.archive.digests.count > 0)
+        """Whether a user message followed by an answer recalls evicted text (recall on, a bounded policy, and
+        digests to recall from)."""
+        return (self.settings.recall == "on" and self.policy.bounded and self.digests is not None
+                and self.digests.count > 0)
 
     def _prefill(self, res: TurnResult, segments, want_logprobs: bool = False):
         """Feed a turn's segments. When the first is a user message and something answers it, recall runs between
@@ -37,7 +37,7 @@ class Feeding:
             # The message's queries choose what comes back. When something does, the session goes back to before
             # the message was read (the undo checkpoint) and it is fed again after the recall, so its own KV is
             # computed with the recalled text before it, as it was when that text was still cached.
-            tap = QueryTap(self.archive.digests.layers)
+            tap = QueryTap(self.digests.layers)
             # Room for the message first, as reading it would make (a message longer than the slack is read in
             # pieces with compressions between: the whole cache is copied to forget that read).
             compress.make_room(self, len(segments[0][0]))
@@ -49,8 +49,8 @@ class Feeding:
             found["recall_ms"] += marking  # what recall adds to every message: the mark, the scoring, the put-back
             if found["recalled"]:
                 t = time.perf_counter()
-                before.restore(self)  # the first read is forgotten, the archive's copy of it too
-                self.archive.truncate(self.log.n)
+                before.restore(self)  # the first read is forgotten, what the digests staged of it too
+                self.digests.truncate(self.log.n)
                 recall.bring_back(self, found["bring"])
                 found["recall_ms"] += 1000 * (time.perf_counter() - t)
                 head = self._feed(segments[:1], want_logprobs=want_logprobs)
@@ -102,32 +102,44 @@ class Feeding:
         return self.last_logits, None, None
 
     def forward(self, ids: torch.Tensor, abs_pos: torch.Tensor, all_logits: bool = False,
-                tap: QueryTap | None = None) -> torch.Tensor:
-        """One model forward of ``ids`` (absolute positions ``abs_pos``) on top of the cache; the logits."""
-        if self.settings.positions == "original":
+                tap: QueryTap | None = None, at: torch.Tensor | None = None) -> torch.Tensor:
+        """One model forward of ``ids`` (absolute positions ``abs_pos``) on top of the cache; the logits. ``at``:
+        the positions to compute them at instead of the next ones (recall reads old text again at the end of the
+        cache, unobserved)."""
+        if at is not None:
+            pos = at
+        elif self.settings.positions == "original":
             pos = abs_pos
         else:
             pos = torch.arange(self.cache.length, self.cache.length + ids.numel())
         device = self.model.device
         self.cache.incoming_abs = abs_pos.to(device=device, dtype=torch.int32)
+        self.cache.incoming_pos = pos.to(device=device, dtype=torch.int32)
+        observer = self.observer if at is None else None
         extra = {}
-        if self.observer is not None:
-            self.observer.positions = pos.to(device)
-            extra["kvchat_observer"] = self.observer
+        if observer is not None:
+            observer.positions = pos.to(device)
+            extra["kvchat_observer"] = observer
         if tap is not None:
             tap.positions = pos.to(device)
             tap.keep = tap.keep.to(device) if tap.keep is not None else None
             extra["kvchat_tap"] = tap
         with torch.no_grad():
             if ids.numel() == 1 and tap is None and self.model.step is not None:  # a decode step (core/decode)
-                logits = self.model.step(ids.to(device), pos.to(device), self.cache, self.observer)
-            else:
-                logits = self.model.model(input_ids=ids[None].to(device), position_ids=pos[None].to(device),
-                                          **{self.model.cache_arg: self.cache}, use_cache=True,
-                                          logits_to_keep=0 if all_logits else 1, **extra).logits[0]
-        if self.cache.archive is not None:
-            self.cache.archive.append(pos)
-        return logits
+                return self.model.step(ids.to(device), pos.to(device), self.cache, observer)
+            return self.model.model(input_ids=ids[None].to(device), position_ids=pos[None].to(device),
+                                    **{self.model.cache_arg: self.cache}, use_cache=True,
+                                    logits_to_keep=0 if all_logits else 1, **extra).logits[0]
+
+    def read_again(self, positions: torch.Tensor) -> None:
+        """Read the tokens at ``positions`` (absolute, ascending: evicted text recall brings back) again, computed
+        at the positions after the cache's last ones with the cache as it is before them and unobserved; the
+        caller made room for them and puts them back in conversation order (``compress.reorder``)."""
+        tokens = self.log.column("token")[positions].long()
+        start = self.log.n if self.settings.positions == "original" else self.cache.length
+        for i in range(0, positions.numel(), compress.MAX_CHUNK):
+            ids = tokens[i: i + compress.MAX_CHUNK]
+            self.forward(ids, positions[i: i + ids.numel()], at=torch.arange(start + i, start + i + ids.numel()))
 
     def make_observer(self, policy) -> Observer | None:
         accumulate, window = "acc" in policy.observes, policy.obs_window

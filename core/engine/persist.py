@@ -1,32 +1,83 @@
-"""A session in SQLite and on disk: the records each turn writes, the cache state after each turn, and reopening
-a conversation.
+"""A session on disk: what each turn writes. Reopening a conversation is core/engine/reopen.py.
 
-Every completed turn is durable, cache included. When a turn closes: the archive (every token's KV as computed,
-storage/archive.py) is synced; then the cache's slot state (which positions each layer and head keeps and where,
-per-slot statistics, observer queries, policy state, the sampling generator) is written atomically as
-``state-<turn>.safetensors`` beside the archive; then the turn's records go to SQLite in one transaction, which
-is the commit point; older state files are removed after it. A crash at any moment leaves SQLite at the last
-committed turn and the state file of that turn on disk, so ``resume`` rebuilds exactly the cache that turn left
-(``restored_from == "archive"``). Conversations from before the archive (or opened with ``exact=False``) are
-rebuilt by prefilling the tokens they kept (``restored_from == "tokens"``).
+Every completed turn is durable, cache included, and what is on disk is bounded like the cache. A stored
+conversation has a folder beside the database (``archive/<name>/``) holding:
+
+* ``rows.bin`` (storage/kvrows.py): the computed key and value of every (layer, KV head, position) the cache holds,
+  one row each; rows the cache no longer holds are reused, so the file stays about the cache's size plus a turn;
+* ``state-<turn>.safetensors`` (storage/statefile.py): which position and row each slot holds, where each key was
+  computed, the per-slot statistics, the observer's queries, the policy's state, the sampling generator, and the
+  window of recall's digests;
+* ``digests/`` (storage/digests.py): recall's digests of every sentence group (recall on), capped.
+
+When a turn closes: the cache's new rows (the turn's tokens it still holds, recalled text) are written into rows
+that no committed state and no undo copy names, and synced; the digests are synced; the state is written atomically;
+then the turn's records go to SQLite in one transaction, the commit point. After it, older state files and
+forgotten digest segments go and the rows file's free tail is cut. A crash at any moment leaves SQLite at the last
+committed turn with its state file and every row and digest it names on disk, so the conversation reopens exactly
+as that turn left it. Nothing is written per token: the new rows of a turn leave the device once, at its commit.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import uuid
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from ..cache import compress
 from ...storage import statefile
-from ...storage.archive import Archive
-from ..recall.digest import Digests
-from .settings import Settings
 from ...storage.db import now_iso
+from ...storage.kvrows import RowFile
+from ..recall.digest import Digests
 from .turns import TurnResult
+
+FORMAT = "2"  # the state files' format (1: kvchat's old archive of every token, storage/legacy.py)
+
+
+class Files:
+    """A conversation's folder: its rows, its state files and (recall on) its digests; ``temporary`` for a session
+    without a store, whose recall digests live in a temporary folder deleted with the session."""
+
+    def __init__(self, folder: Path, temporary: bool = False):
+        self.folder = Path(folder)
+        self.temporary = temporary
+        self.rows = RowFile(self.folder)
+        self.named = np.zeros(0, dtype=np.int64)  # the rows the last committed state names
+        self.legacy = None  # an old archive (storage/legacy.py) to delete once a turn has committed in the new form
+
+    @classmethod
+    def new(cls, store) -> "Files":
+        if store is None:
+            return cls(Path(tempfile.mkdtemp(prefix="kvchat-recall-")), temporary=True)
+        return cls(store.archive_folder(uuid.uuid4().hex))
+
+    def nbytes(self) -> int:
+        """Bytes on disk: rows, state files and digests."""
+        if not self.folder.is_dir():
+            return 0
+        return sum(p.stat().st_size for p in self.folder.rglob("*") if p.is_file())
+
+    def delete(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def open_digests(session) -> Digests | None:
+    """The session's recall digests, opened (or started) in its folder when recall is on or some are there."""
+    files = session.files
+    if session.digests is None and files is not None and (session.settings.recall == "on" or
+                                                           (files.folder / "digests").is_dir()):
+        session.digests = Digests(files.folder, session.model.num_layers, session.model.rotary,
+                                  session.settings.archive_mb)
+        session.cache.on_compress.append(session.digests.capture)
+    if session.digests is not None:
+        session.digests.cap_mb = session.settings.archive_mb
+        session.digests.activate(session.settings.recall == "on", session.log.n)
+    return session.digests
 
 
 def turn_record(session, res: TurnResult, messages: list[tuple[int, list[int]]]) -> dict:
@@ -55,94 +106,103 @@ def commit(session, record: dict) -> None:
     if session.title is None:
         first = next((m["text"] for r in session.pending for m in r["messages"] if m["role"] == "user"), "")
         session.title = " ".join(first.split())[:60] or "conversation"
-    if session.archive is not None:
-        write_state(session)
+    write_state(session)
+    record["stats"]["disk_bytes"] = session.disk_bytes  # what the conversation keeps beside the database now
     session.conversation_id = store.commit_turns(session.conversation_id, conversation_row(session),
                                                  session.pending, session.pending_settings)
     session.pending, session.pending_settings = [], []
-    if session.archive is not None:
-        remove_states(session.archive, keep=session.turn)
-
-
-def new_archive(store, model) -> Archive | None:
-    """A new conversation's archive beside the database (None without a store)."""
-    return open_archive(store.archive_folder(uuid.uuid4().hex), model) if store is not None else None
-
-
-def open_archive(folder: Path, model) -> Archive:
-    """A conversation's archive and the recall digests beside it."""
-    archive = Archive(folder, model.num_layers)
-    archive.digests = Digests(folder, model.num_layers)
-    return archive
+    committed(session)
 
 
 def write_state(session) -> Path:
-    """Make the archive durable, then write the cache's slot state after this turn (atomically)."""
-    archive = session.archive
-    archive.sync()
+    """Make the cache's new rows and the digests durable, then write the slot state after this turn (atomically)."""
+    files = session.files
+    write_rows(session)
+    if session.digests is not None:
+        session.digests.sync()
     tensors = session.cache.slot_state()
     if session.observer is not None:
         tensors.update(session.observer.state_tensors())
     tensors["generator"] = session.generator.get_state()
     if session.last_logits is not None:
         tensors["last_logits"] = session.last_logits.float().cpu()
-    meta = {"turn": str(session.turn), "total_tokens": str(session.log.n), "positions": session.settings.positions,
-            "policy": session.settings.policy, "policy_state": json.dumps(session.policy.get_state()),
-            "evicted_total": str(session.evictions.total)}
-    return statefile.write(archive.folder, session.turn, tensors, meta)
+    window = session.digests.window() if session.digests is not None else None
+    meta = {"format": FORMAT, "turn": str(session.turn), "total_tokens": str(session.log.n),
+            "positions": session.settings.positions, "policy": session.settings.policy,
+            "policy_state": json.dumps(session.policy.get_state()), "evicted_total": str(session.evictions.total),
+            "digests": json.dumps(window)}
+    return statefile.write(files.folder, session.turn, tensors, meta)
 
 
-def remove_states(archive: Archive, keep: int) -> None:
-    statefile.remove_others(archive.folder, keep)
+def write_rows(session) -> None:
+    """Write the computed key and value of every slot without a row (the turn's new ones) into free rows: none that
+    the last committed state, the undo copy or the cache itself names. One copy off the device for all of them."""
+    rows, cache = session.files.rows, session.cache
+    pending = []
+    for layer in cache.layers:
+        if not layer.is_initialized:
+            continue
+        used = torch.cat([torch.arange(a, a + n, device=layer.device) for a, n in zip(layer.offs, layer.lens)])
+        fresh = used[layer.rows[used] < 0]
+        if fresh.numel():
+            pending.append((layer, fresh))
+    if not pending:
+        return
+    first = pending[0][0]
+    if rows.layout is None:
+        rows.start(first.keys.shape[-1], first.values.shape[-1], first.dtype)
+    named = [session.files.named, cache.rows_named().numpy()]
+    if session.undo_copy is not None:
+        named.append(session.undo_copy.rows_named())
+    count = sum(int(idx.numel()) for _, idx in pending)
+    at = RowFile.allocate(count, rows.rows, np.concatenate(named))
+    data = torch.cat([torch.cat([(layer.k0 if layer.k0 is not None else layer.keys)[idx], layer.values[idx]], -1)
+                      for layer, idx in pending])
+    rows.write(at, data)
+    start = 0
+    for layer, idx in pending:
+        layer.rows[idx] = torch.from_numpy(at[start: start + idx.numel()]).to(layer.device)
+        start += idx.numel()
+    rows.sync()
 
 
-def _load_state(session, folder: Path) -> bool:
-    """Restore the cache exactly from the archive and the state file of the current turn; whether it could."""
-    archive = session.archive
-    meta = statefile.metadata(folder, session.turn)
-    if meta is None or archive.n < session.log.n:
-        return False
-    if int(meta.get("total_tokens", -1)) != session.log.n or meta.get("positions") != session.settings.positions:
-        return False
-    archive.truncate(session.log.n)  # what a crash left past the committed turn
-    tensors = statefile.read(folder, session.turn)
-    model = session.model
-    session.cache.load_slot_state(tensors, model.rotary, session.settings.positions == "original", model.device)
-    if session.observer is not None:
-        session.observer.load_state_tensors(tensors, model.device)
-    if meta.get("policy") == session.settings.policy and meta.get("policy_state"):
-        session.policy.set_state(json.loads(meta["policy_state"]))
-    session.generator.set_state(tensors["generator"])
-    if "last_logits" in tensors:
-        session.last_logits = tensors["last_logits"].to(device=model.device, dtype=model.dtype)
-    session.evictions.total = int(meta["evicted_total"])
-    return True
+def committed(session) -> None:
+    """After the commit point: the rows the committed state names are the ones to keep; older state files,
+    forgotten digest segments and the rows file's free tail go."""
+    files = session.files
+    files.named = session.cache.rows_named().numpy()
+    files.named = files.named[files.named >= 0]
+    statefile.remove_others(files.folder, keep=session.turn)
+    keep = [files.named] + ([session.undo_copy.rows_named()] if session.undo_copy is not None else [])
+    files.rows.shrink(np.concatenate(keep))
+    if session.digests is not None:
+        session.digests.drop_forgotten()
+    if files.legacy is not None:
+        files.legacy.delete()
+        files.legacy = None
 
 
 def undo(session, created_conversation: bool) -> None:
-    """Take the undone turn out of SQLite and the archive. The state of the turn before is written first, so a
-    crash in between reopens either turn exactly."""
-    store, archive = session.store, session.archive
+    """Take the undone turn out of SQLite and off disk. The state of the turn before is written first, so a crash in
+    between reopens either turn exactly."""
+    store = session.store
     if store is not None and session.conversation_id is not None:
         if created_conversation:  # the undone turn created the conversation: it goes
             store.delete(session.conversation_id, keep_archive=True)
             session.conversation_id = None
         else:
-            if archive is not None:
-                write_state(session)
+            write_state(session)
             store.truncate(session.conversation_id, session.turn, conversation_row(session))
-    if archive is not None:
-        archive.truncate(session.log.n)
-        remove_states(archive, keep=session.turn)
+            committed(session)
 
 
 def record_settings(session, record: dict) -> None:
     """A live settings change: written now if the conversation exists (with the cache state it left: a smaller
     budget compresses at once), else with its first turn."""
     if session.store is not None and session.conversation_id is not None:
-        if session.archive is not None:
-            write_state(session)
+        write_state(session)
         session.store.record_settings(session.conversation_id, record)
+        committed(session)
     else:
         session.pending_settings.append(record)
 
@@ -158,56 +218,5 @@ def conversation_row(session) -> dict:
             start = None
     return {"title": session.title, "model": session.model.name, "settings": asdict(session.settings),
             "next_turn": session.turn, "total_tokens": session.log.n, "kept": ranges, "seed": session.seed,
-            "archive": session.archive.folder.name if session.archive is not None else None,
-            "updated_at": now_iso()}
-
-
-def resume(cls, model, store, conversation_id: int, exact: bool = True, sampling=None, undo: bool = False):
-    """Reopen stored conversation ``conversation_id`` as a ``cls`` session (see ``Session.resume``)."""
-    conv = store.conversation(conversation_id)
-    if conv["model"] != model.name:
-        raise ValueError(f"conversation {conversation_id} was held by model {conv['model']}, not {model.name}")
-    settings = Settings.from_dict(conv["settings"])
-    session = cls(model, settings, system=None, store=store, sampling=sampling, seed=conv["seed"] or 0,
-                  title=conv["title"], undo=undo)
-    session.conversation_id = conversation_id
-    for m in store.messages(conversation_id):
-        idx = session.new_message(m["role"], m["text"])
-        session.turn = m["turn"]
-        session.log.append_messages(model.tokenizer, [(m["tokens"], idx, m["role"])], session.turn)
-        if idx == 0 and m["role"] == "system":
-            session.system_tokens = len(m["tokens"])
-    session.turn = conv["next_turn"]
-    session.generator.manual_seed(session.seed + session.turn)
-    stat_fields = {f.name for f in fields(TurnResult)}
-    session.history.extend(TurnResult(**{k: v for k, v in row.items() if k in stat_fields})
-                           for row in store.turn_stats(conversation_id))
-    session.evictions.total = sum(r.evicted_tokens for r in session.history)
-    session.archive = session.cache.archive = None
-    if conv.get("archive"):
-        session.archive = open_archive(store.archive_folder(conv["archive"]), model)
-        if session.archive.n < session.log.n:
-            session.archive = None  # incomplete: the conversation goes on without one
-        else:
-            session.cache.archive = session.archive
-            if exact and _load_state(session, session.archive.folder):
-                session.restored_from = "archive"
-                return session
-            session.cache.archive = None
-            session.archive.truncate(session.log.n)
-    kept = [p for a, b in conv["kept"] or [] for p in range(a, b)]
-    rebuild(session, torch.tensor(kept, dtype=torch.long))
-    session.restored_from = "tokens"
-    session.cache.archive = session.archive
-    return session
-
-
-def rebuild(session, positions: torch.Tensor) -> None:
-    """Prefill the tokens at ``positions`` (absolute, ascending) into an empty cache."""
-    tokens = session.log.column("token")[positions].long()
-    total, i = session.evictions.total, 0
-    while i < positions.numel():  # per-head policies keep a union of positions that may pass the budget
-        c = compress.make_room(session, positions.numel() - i)
-        session.forward(tokens[i: i + c], positions[i: i + c])
-        i += c
-    session.evictions.events, session.evictions.total = [], total  # a rebuild's own compressions are not the chat's
+            "archive": session.files.folder.name if session.files is not None and not session.files.temporary
+            else None, "updated_at": now_iso()}

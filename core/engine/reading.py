@@ -91,5 +91,6 @@ class SessionReads:
             "capacity": s.capacity if self.policy.bounded else None, "evicted_tokens": self.evictions.total,
             "max_positions": self.model.max_positions, "peak_rss_mb": peak_rss_mb(),
             "observer_bytes": self.observer.nbytes if self.observer is not None else 0,
+            "archive_bytes": self.archive_bytes, "disk_bytes": self.disk_bytes,
             **self.policy.report(),
         }

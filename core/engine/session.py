@@ -6,20 +6,21 @@ compressed to the budget (``core/cache/compress.py``). The engine never knows wh
 
 This module orchestrates a turn: the five entry points (``add``, ``exchange``, ``probe``, ``reply``,
 ``feed_raw``) share one prologue (``_open_turn``) and one epilogue (``_close_turn``). Generation is
-``core/engine/generate.py``, undo ``core/engine/checkpoint.py``, what is stored ``core/engine/persist.py``, reads from other threads
-(the web UI) ``core/engine/reading.py``."""
+``core/engine/generate.py``, undo ``core/engine/checkpoint.py``, what is stored ``core/engine/persist.py`` (reopening:
+``core/engine/reopen.py``), reads from other threads (the web UI) ``core/engine/reading.py``."""
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Generator
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ...policies import make_policy
 from ..cache import compress
-from . import persist
+from . import persist, reopen
 from ..cache.kvcache import KVCache
 from .checkpoint import Checkpoint
 from .feeding import Feeding
@@ -41,9 +42,10 @@ __all__ = ["CLOSING_RESERVE", "ROLES", "ContextFullError", "Sampling", "Session"
 class Session(Feeding, Generation, SessionReads):
     def __init__(self, model: ChatModel, settings: Settings | None = None, system: str | None = "default",
                  store=None, sampling: Sampling | None = None, seed: int = 0, title: str | None = None,
-                 undo: bool = False):
+                 undo: bool = False, folder: Path | None = None):
         """``system``: the system prompt; "default" uses the template's own default (if it has one), None none.
-        ``undo``: keep a copy of the state before each turn so ``undo()`` can take the last one back."""
+        ``undo``: keep a copy of the state before each turn so ``undo()`` can take the last one back. ``folder``:
+        the stored conversation's files (``resume``); a new conversation with a store gets a new one."""
         self.model = model
         settings = settings or Settings()
         settings.validate(model.max_positions, model.rotary_error)
@@ -52,9 +54,12 @@ class Session(Feeding, Generation, SessionReads):
         self.sampling = (sampling or Sampling()).validate()
         self.seed = seed
         self.generator = torch.Generator().manual_seed(seed)
-        self.archive = persist.new_archive(store, model)
-        self.cache = KVCache(model.num_layers, settings.capacity if self.policy.bounded else None,
-                             model.max_positions, self.archive)
+        #: The conversation's files (core/engine/persist.py): with a store, or a temporary folder for recall's digests
+        #: without one; None without either.
+        self.files = persist.Files(folder) if folder is not None else \
+            persist.Files.new(store) if store is not None or settings.recall == "on" else None
+        self.digests = None  # recall's digests (core/recall/digest.py), opened by ``persist.open_digests``
+        self.cache = self.new_cache(settings.capacity if self.policy.bounded else None)
         self.log = TokenLog()
         self.messages: list[dict] = []  # {"role", "content"} as the template sees them
         self.turn = 0
@@ -77,6 +82,7 @@ class Session(Feeding, Generation, SessionReads):
         self._cancel = threading.Event()
         self._lock = threading.RLock()  # a reply streams in one thread; settings / undo / views come from others
         self._undo: Checkpoint | None = None
+        persist.open_digests(self)
         self._streaming: int | None = None  # the index of the reply being generated, while it is
         self._warnings: list[str] = []
         if system == "default":
@@ -105,12 +111,36 @@ class Session(Feeding, Generation, SessionReads):
         """Stop the reply being generated (from another thread); the partial reply is kept."""
         self._cancel.set()
 
+    def new_cache(self, capacity: int | None) -> KVCache:
+        """An empty cache for this session's model (its computed keys kept where keys are re-rotated), watched by
+        recall's digests when there are any."""
+        cache = KVCache(self.model.num_layers, capacity, self.model.max_positions, self.model.rotary is not None)
+        if getattr(self, "digests", None) is not None:
+            cache.on_compress.append(self.digests.capture)
+        return cache
+
+    @property
+    def undo_copy(self) -> Checkpoint | None:
+        """The copy of the state before the last turn (``undo``), if one is kept."""
+        return self._undo
+
+    @property
+    def disk_bytes(self) -> int:
+        """Bytes the conversation keeps on disk beside the database: its rows, state file and recall digests."""
+        return self.files.nbytes() if self.files is not None else 0
+
+    @property
+    def archive_bytes(self) -> int:
+        """Bytes of recall's archive (the digests of every sentence group, capped by ``archive_mb``)."""
+        return self.digests.nbytes if self.digests is not None else 0
+
     def close(self) -> None:
-        """Stop any reply and release the archive (deleted if no conversation was ever stored with it)."""
+        """Stop any reply and release the conversation's files (deleted if no conversation was ever stored with
+        them, or if they were a temporary folder)."""
         self.cancel()
         with self._lock:
-            if self.archive is not None:
-                self.archive.close() if self.conversation_id is not None else self.archive.delete()
+            if self.files is not None and (self.files.temporary or self.conversation_id is None):
+                self.files.delete()
 
     # -- live settings and undo -------------------------------------------------------------------------------------
     @locked
@@ -125,6 +155,9 @@ class Session(Feeding, Generation, SessionReads):
         applied = {k: v for k, v in new.as_dict().items() if self.settings.as_dict().get(k) != v}
         if applied:
             self._apply_settings(new)
+            if new.recall == "on" and self.files is None:  # recall switched on without a store: a temporary folder
+                self.files = persist.Files.new(None)
+            persist.open_digests(self)
             persist.record_settings(self, {"turn": self.turn, "changes": applied, "settings": new.as_dict(),
                                            "created_at": now_iso()})
         return applied
@@ -156,11 +189,21 @@ class Session(Feeding, Generation, SessionReads):
         checkpoint, self._undo = self._undo, None
         if checkpoint is None:
             raise ValueError("nothing to undo (only the last turn made in this session can be taken back)")
+        redo = Checkpoint.capture(self, whole=True)  # the session as it is, should the stored conversation not follow
         current = self.settings
         removed = checkpoint.restore(self)
         if current != self.settings:
             self._apply_settings(current)
-        persist.undo(self, created_conversation=checkpoint.conversation_id is None)
+        try:
+            persist.undo(self, created_conversation=checkpoint.conversation_id is None)
+        except BaseException:
+            # The database or the disk refused (full, locked, read-only): the session goes back to where the
+            # stored conversation still is, and the turn can be undone again.
+            redo.restore(self)
+            if current != self.settings:
+                self._apply_settings(current)
+            self._undo = checkpoint
+            raise
         return removed
 
     # -- the five kinds of turn -------------------------------------------------------------------------------------
@@ -294,12 +337,14 @@ class Session(Feeding, Generation, SessionReads):
         res.evicted_groups = sum(e["evicted_groups"] for e in self.evictions.events)
         res.warnings = list(self._warnings)
         self.recall_guard, self.recall_release = self.recall_guard[:0], False
-        if self.archive is not None:
-            self.archive.digests.add(self.archive, self.log, self.model.scaffolding_ids(), self.model.rotary)
+        if self.digests is not None and self.digests.active:
+            self.digests.add(self.cache, self.log, self.model.scaffolding_ids())
+        res.archive_bytes = self.archive_bytes
         self.history.append(res)
         record = persist.turn_record(self, res, messages)
         self.turn += 1
         persist.commit(self, record)
+        res.disk_bytes = record["stats"].get("disk_bytes")
         return res
 
     def new_message(self, role: str, text: str) -> int:
@@ -342,4 +387,4 @@ class Session(Feeding, Generation, SessionReads):
         """Reopen a stored conversation with the cache its last completed turn left, exactly (from the archive);
         conversations stored without one, or with ``exact=False``, rebuild it by prefilling the tokens it kept
         (``restored_from`` says which)."""
-        return persist.resume(cls, model, store, conversation_id, exact, sampling, undo)
+        return reopen.resume(cls, model, store, conversation_id, exact, sampling, undo)

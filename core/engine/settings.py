@@ -36,13 +36,16 @@ CACHE_SETTINGS: tuple[Param, ...] = (
     Param("positions", str, "rerotate", "re-rotate kept keys to contiguous positions 0..n-1, or keep the "
           "absolute positions they were computed at", choices=POSITION_MODES),
     Param("aggregate", str, "mean", "how token scores become a group score", choices=AGGREGATES),
-    Param("recall", str, "off", "before each reply, bring evicted sentences the new message needs back into the "
-          "cache (scored by the model's own attention over the archive)", choices=RECALL_MODES),
+    Param("recall", str, "on", "before each reply, bring evicted sentences the new message needs back into the "
+          "cache (scored by the model's own attention over their digests, read again from their tokens)",
+          choices=RECALL_MODES),
     Param("recall_groups", int, 6, "most sentence groups recalled per user message", min=1, max=64),
     Param("recall_tokens", int, None, "most positions recalled per user message (they count toward the budget)",
           min=1, derived="budget/4"),
     Param("recall_threshold", float, 0.0, "least relevance a group needs to come back (its mean attention share, "
           "0-1)", min=0.0, max=1.0),
+    Param("archive_mb", float, 1024.0, "recall's archive per conversation at most, in MB (about 1.1 KB per token "
+          "for the default model); past it the oldest sentences are forgotten first", min=1.0),
 )
 
 SAMPLING_SETTINGS: tuple[Param, ...] = (
@@ -78,6 +81,7 @@ class Settings:
     recall_groups: int = _CACHE["recall_groups"].default
     recall_tokens: int | None = _CACHE["recall_tokens"].default  # None: derived (budget // 4)
     recall_threshold: float = _CACHE["recall_threshold"].default
+    archive_mb: float = _CACHE["archive_mb"].default
 
     # -- derived ----------------------------------------------------------------------------------------------
     @property

@@ -31,6 +31,8 @@ class TurnResult:
     recalled_groups: int = 0
     recall_ms: float | None = None  # None: recall did not run
     recalled: list[list[int]] = field(default_factory=list)  # [start, end) positions of each recalled group
+    archive_bytes: int = 0  # recall's digests on disk after the turn (capped by archive_mb)
+    disk_bytes: int | None = None  # everything the conversation keeps beside the database after the turn's commit
     warnings: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:

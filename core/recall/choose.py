@@ -87,13 +87,13 @@ def plan(session, tap: QueryTap) -> dict:
     "recalled_groups", "recalled": [[start, end]] (a chosen group with the scaffolding around it), "bring": the
     positions, "recall_ms"}."""
     t0 = time.perf_counter()
-    s, archive = session.settings, session.archive
-    spans, digests, coarse = archive.digests.read()
+    s, digests_store = session.settings, session.digests
+    spans, digests, coarse = digests_store.read()
     out = {"recalled_tokens": 0, "recalled_groups": 0, "recalled": [], "bring": torch.zeros(0, dtype=torch.long)}
     if spans.shape[0] and tap.queries:
-        rel = relevance(digests, coarse, archive.digests.layers, tap.unrotated(session.model.rotary), tap.scaling)
+        rel = relevance(digests, coarse, digests_store.layers, tap.unrotated(session.model.rotary), tap.scaling)
         units = choose(rel, spans, held_share(session.cache, spans),
-                       archive.digests.has_content(spans, session.log, session.model.scaffolding_ids()),
+                       digests_store.has_content(spans, session.log, session.model.scaffolding_ids()),
                        s.recall_groups, s.recall_limit, s.recall_threshold, session.log.at("message", spans[:, 0]))
         if units:
             found = [[int(spans[u[0], 0]), int(spans[u[-1], 1])] for u in units]
@@ -105,8 +105,13 @@ def plan(session, tap: QueryTap) -> dict:
 
 
 def bring_back(session, bring: torch.Tensor) -> None:
-    """Put the positions ``bring`` back into every layer and head, within the budget, and keep them there while the
-    message is read again and through the reply's first compression (so the reply's first ``slack`` tokens at
-    least see them); from there on the running policy keeps them as long as it scores them high enough."""
-    compress.compress(session, session.settings.budget, "recall", bring=bring)
+    """Put the positions ``bring`` back into every layer and head, within the budget: the running policy's
+    lowest-scored slots make room, the tokens are read again from their ids with the cache before them as context
+    (no evicted KV is kept: core/recall/digest.py), and every head's slots go back into conversation order, each key
+    rotated once from where it was computed. They stay while the message is read again and through the reply's
+    first compression (so the reply's first ``slack`` tokens at least see them); from there on the running policy
+    keeps them as long as it scores them high enough."""
+    compress.compress(session, session.settings.budget, "recall", drop=bring, room=bring.numel())
+    session.read_again(bring)
+    compress.reorder(session, bring)
     session.recall_guard = torch.cat([session.recall_guard, bring])

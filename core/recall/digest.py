@@ -1,126 +1,226 @@
-"""Digests: what recall scores a sentence group by.
+"""Digests: what recall scores a sentence group by, and all it keeps of evicted text besides the token ids.
 
 For a few scoring layers spread through the model's depth and for every KV head, a group's digest is the ``REPS``
 keys of the group with the largest norm among its tokens that are not template scaffolding, un-rotated to position
-0 so that relevance does not depend on where the group sat; a coarse key (the first of them, in three of the
-layers) lets a first pass over many groups pick the candidates. Digests are computed when a turn closes from the
-archive's keys and kept on disk beside it (storage/digests.py); a conversation with recall off keeps them too, so
-recall switched on later reaches the whole chat.
+0 so that relevance does not depend on where the group sat; its coarse key (the first of them, in three of the
+layers) lets a first pass over many groups pick the candidates. Each key is kept in int8 with one scale per key
+(``quantize``): 6.9 KB per group for the default model, about 1.1 KB per token of chat, where the fp32 KV of a token
+is 46 KB. Recalled text is read again from its token ids (core/recall/choose.py), so no evicted KV is kept.
+
+Digests are computed when a turn closes, from the keys as they were computed (``KVLayer.k0``): the keys of slots a
+compression is about to drop during the turn are taken first (``capture``, run by every compression), the rest at
+the turn's close. They go to a capped store on disk (storage/digests.py; ``--archive-mb``): past the cap the
+oldest sentences are forgotten first, a segment at a time.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import torch
 
-from ...storage.digests import DigestFiles
-from .score import COARSE_DTYPE, coarse_index, scoring_layers
+from ...storage.digests import DigestStore
+from .score import COARSE_DTYPE, FULL_DTYPE, coarse_index, scoring_layers
 
 REPS = 4  # representative keys per group, layer and KV head
-BLOCK = 8192  # positions digested at a time
+SEGMENT_BYTES = 8 << 20  # the store's segment files at most (a cap smaller than 16 of them gets smaller ones)
 
 
-def _shape(layers: list[int]) -> tuple[int, int]:
-    """(reps, coarse layers) of a digest over ``layers``."""
-    return REPS, len(coarse_index(layers))
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vectors x [..., D] as int8 [..., D] and one fp16 scale each (symmetric: max |x| maps to 127)."""
+    scale = x.abs().amax(-1).float().clamp(min=1e-8) / 127
+    return (x.float() / scale[..., None]).round().clamp(-127, 127).to(torch.int8), scale.half()
+
+
+def dequantize(q: np.ndarray | torch.Tensor, scale: np.ndarray | torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    q, scale = torch.as_tensor(q), torch.as_tensor(scale)
+    return (q.to(dtype) * scale.to(dtype)[..., None]).to(dtype)
+
+
+class Stage:
+    """The computed keys, un-rotated to position 0, of the scoring layers' slots at positions ``start`` on (the
+    turn's, not digested yet): [layers, heads, n, key dim] on the cache's device, filled by ``capture``."""
+
+    def __init__(self, layers: list[int]):
+        self.layers = layers
+        self.start = 0
+        self.keys: torch.Tensor | None = None
+        self.n = 0
+
+    def capture(self, cache, start: int, rotary) -> None:
+        """Take the keys of every scoring layer's slots at positions ``start`` and later (those before were
+        digested), before a compression drops any of them, or when the turn closes."""
+        if self.keys is None or start != self.start:
+            self.start, self.n, self.keys = start, 0, None
+        for si, li in enumerate(self.layers):
+            layer = cache.layers[li]
+            if not layer.is_initialized or layer.k0 is None and rotary is not None:
+                continue
+            pos = layer.positions()
+            mine = pos >= start
+            if not bool(mine.any()):
+                continue
+            keys = layer.padded(layer.k0 if layer.k0 is not None else layer.keys)
+            at = layer.padded(layer.computed).long()
+            heads = torch.nonzero(mine)
+            k = keys[mine].float()
+            if rotary is not None:
+                k = rotary.rotate(k, -at[mine])
+            end = int(pos[mine].max()) - start + 1
+            self._grow(len(self.layers), pos.shape[0], end, k.shape[-1], k.device)
+            self.keys[si, heads[:, 0], pos[mine] - start] = k
+
+    def _grow(self, layers: int, heads: int, n: int, dim: int, device) -> None:
+        if self.keys is None:
+            self.keys = torch.zeros(layers, heads, max(n, 64), dim, device=device)
+        elif n > self.keys.shape[2]:
+            grown = self.keys.new_zeros(layers, heads, max(n, 2 * self.keys.shape[2]), dim)
+            grown[:, :, : self.keys.shape[2]] = self.keys
+            self.keys = grown
+        self.n = max(self.n, n)
+
+    def take(self, n: int) -> torch.Tensor | None:
+        """The staged keys of positions ``start .. n`` ([layers, heads, n - start, dim]; None if nothing was
+        staged); the stage then starts at ``n``."""
+        out = None
+        if self.keys is not None:
+            out = self.keys[:, :, : n - self.start]
+            if out.shape[2] < n - self.start:
+                out = torch.nn.functional.pad(out, (0, 0, 0, n - self.start - out.shape[2]))
+        self.keys, self.start, self.n = None, n, 0
+        return out
+
+    def truncate(self, n: int) -> None:
+        """Forget what was staged for positions ``n`` and later (a read undone)."""
+        if self.keys is not None and n <= self.start:
+            self.keys, self.n = None, 0
+        elif self.keys is not None:
+            self.n = min(self.n, n - self.start)
+            self.keys[:, :, self.n:] = 0
 
 
 class Digests:
-    """The digests of a conversation's sentence groups (on disk: ``DigestFiles``), with the coarse keys kept in
-    memory once recall has read them and, per group, whether it holds more than scaffolding."""
+    """The digests of a conversation's sentence groups (on disk: ``DigestStore``), with the coarse keys of the live
+    groups kept in memory once recall has read them and, per live group, whether it holds more than scaffolding."""
 
-    def __init__(self, folder: Path, num_layers: int):
-        self.files = DigestFiles(folder, _shape)
-        self.folder = self.files.folder
-        self.layers = self.files.layout[2] if self.files.layout else scoring_layers(num_layers)
-        #: The coarse keys in memory once recall has read them ([coarse layers, heads, capacity, key dim] in
-        #: ``COARSE_DTYPE``; rows below ``count`` valid), kept current as groups are added: the coarse pass reads
-        #: them every message.
-        self._coarse: torch.Tensor | None = None
-        self._content = torch.zeros(0, dtype=torch.bool)  # per group, whether it holds more than scaffolding
+    def __init__(self, folder, num_layers: int, rotary, cap_mb: float):
+        self.store = DigestStore(folder)
+        self.layers = self.store.meta.get("layers") or scoring_layers(num_layers)
+        self.rotary = rotary
+        self.cap_mb = cap_mb
+        self.active = True  # recall is on: the turns' groups are digested (``activate``)
+        self.stage = Stage(self.layers)
+        self.covered = self._last_end()  # positions digested: the end of the last group
+        self._coarse: torch.Tensor | None = None  # [coarse layers, heads, capacity, dim], live groups first
+        self._content = torch.zeros(0, dtype=torch.bool)
+
+    def _last_end(self) -> int:
+        return int(self.store.field("span", [self.store.count - 1])[0, 1]) if self.store.count else 0
 
     @property
     def count(self) -> int:
-        return self.files.count
+        return self.store.count
 
     @property
-    def covered(self) -> int:
-        return self.files.covered
+    def nbytes(self) -> int:
+        return self.store.nbytes
 
-    @property
-    def layout(self) -> tuple[int, int] | None:
-        """(KV heads, key dim) once the first group is written."""
-        return self.files.layout[:2] if self.files.layout else None
+    def capture(self, cache) -> None:
+        """Registered with the cache (``KVCache.on_compress``): the turn's keys a compression may drop (while recall
+        is on: ``active``)."""
+        if self.active:
+            self.stage.capture(cache, self.covered, self.rotary)
 
-    def add(self, archive, log, scaffolding: torch.Tensor, rotary) -> int:
-        """Digest the groups of the token log ``log`` not digested yet (its end ends a group); returns how many.
-        ``scaffolding``: the template's token ids, which no group is represented by while it has other tokens. A
-        long stretch (a conversation from before digests, reopened) goes a block of whole groups at a time."""
-        n, start = log.n, self.covered
-        if n <= start or archive.layout is None:
+    def activate(self, on: bool, n: int) -> None:
+        """Recall switched on or off at position ``n``: digests are written while it is on, from ``n`` on when it
+        comes on (the text fed while it was off has none)."""
+        if on and not self.active:
+            self.covered = max(self.covered, n)
+            self.stage = Stage(self.layers)
+        self.active = on
+
+    def add(self, cache, log, scaffolding: torch.Tensor) -> int:
+        """Digest the groups of the token log ``log`` not digested yet (its end ends a group), from the stage and
+        the cache; returns how many. Past the cap the oldest segments leave the live window (``forget``)."""
+        n = log.n
+        if n <= self.covered:
+            return 0
+        start = self.covered
+        self.stage.capture(cache, start, self.rotary)
+        keys = self.stage.take(n)  # [layers, heads, n - start, dim]
+        if keys is None:
+            self.covered = n  # nothing staged (no scoring layer held these positions): nothing to digest
             return 0
         sentence = log.column("sentence", start)
         content = ~torch.isin(log.column("token", start).long(), scaffolding)
-        done = 0
-        while n - self.covered > BLOCK:
-            ids = sentence[self.covered - start: self.covered - start + BLOCK + 1]
-            cut = int((ids[1:] != ids[:-1]).nonzero().max()) + 1 if (ids[1:] != ids[:-1]).any() else BLOCK
-            done += self._add(archive, sentence[self.covered - start:], content[self.covered - start:],
-                              self.covered + cut, rotary)
-        return done + self._add(archive, sentence[self.covered - start:], content[self.covered - start:], n, rotary)
-
-    def _add(self, archive, sentence: torch.Tensor, content: torch.Tensor, n: int, rotary) -> int:
-        """Digest positions ``covered .. n`` (``sentence``, ``content``: theirs, from ``covered`` on). A group's
-        representative keys are its content tokens' (the template's role headers and end markers draw attention
-        from any message, whatever it asks)."""
-        heads, kdim = archive.layout[0], archive.layout[1]
-        if self.files.layout is None:
-            self.files.start(heads, kdim, self.layers)
-        covered = self.covered
-        _, counts = torch.unique_consecutive(sentence[: n - covered], return_counts=True)
-        ends = covered + torch.cumsum(counts, 0)
+        _, counts = torch.unique_consecutive(sentence, return_counts=True)
+        ends = start + torch.cumsum(counts, 0)
         starts = ends - counts
-        positions = torch.arange(covered, n)[None].expand(heads, -1)
-        keys = []
-        for li in self.layers:
-            k, _, computed = archive.keys_values(li, positions)
-            k = k.float()
-            keys.append(rotary.rotate(k, -computed.long()) if rotary is not None else k)
-        keys = torch.stack(keys)  # [layers, heads, m, kdim]
         norms = keys.norm(dim=-1)
-        out = torch.empty(len(counts), len(self.layers), heads, REPS, kdim)
-        for g, (a, c) in enumerate(zip((starts - covered).tolist(), counts.tolist())):
-            own = torch.arange(a, a + c)
+        groups, dim = len(counts), keys.shape[-1]
+        reps = torch.empty(groups, len(self.layers), keys.shape[1], REPS, dim, device=keys.device)
+        for g, (a, c) in enumerate(zip((starts - start).tolist(), counts.tolist())):
+            own = torch.arange(a, a + c, device=keys.device)
             if content[a: a + c].any():  # scaffolding only where the group has nothing else
-                own = own[content[a: a + c]]
+                own = own[content[a: a + c].to(keys.device)]
             top = own[norms[..., own].topk(min(REPS, own.numel()), -1).indices]  # [layers, heads, <= REPS]
             top = torch.cat([top, top[..., :1].expand(-1, -1, REPS - top.shape[-1])], -1)
-            out[g] = torch.gather(keys, 2, top[..., None].expand(-1, -1, -1, kdim))
-        coarse = out[:, coarse_index(self.layers), :, 0].half().contiguous()  # [groups, coarse layers, heads, kdim]
-        if self._coarse is not None:
-            self._keep_coarse(coarse.permute(1, 2, 0, 3))
-        self.files.append(out.half().numpy(), coarse.numpy(), torch.stack([starts, ends], 1).numpy())
-        return len(counts)
+            reps[g] = torch.gather(keys, 2, top[..., None].expand(-1, -1, -1, dim))
+        self.append(reps, torch.stack([starts, ends], 1))
+        self.covered = n
+        return groups
 
-    def read(self) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
-        """Group spans [groups, 2] (start, end), digests [groups, layers, heads, REPS, kdim] (float16, a read-only
-        memory map: only the rows scored are read) and the coarse keys [3, heads, groups, kdim] (float16, from
-        memory after the first read)."""
+    def append(self, reps: torch.Tensor, spans: torch.Tensor) -> None:
+        coarse = reps[:, coarse_index(self.layers), :, 0]  # [groups, coarse layers, heads, dim]
+        q, scale = quantize(reps)
+        cq, cscale = quantize(coarse)
+        if self.store.dtype is None:
+            fields = [("span", "<i4", (2,)), ("keys", "i1", tuple(q.shape[1:])),
+                      ("scale", "<f2", tuple(scale.shape[1:])), ("coarse", "i1", tuple(cq.shape[1:])),
+                      ("coarse_scale", "<f2", tuple(cscale.shape[1:]))]
+            record = sum(np.dtype(d).itemsize * int(np.prod(s)) for _, d, s in fields)
+            cap = int(self.cap_mb * 2**20)
+            segment = int(min(max(min(SEGMENT_BYTES, cap // 16) // record, 16), 1 << 16))
+            self.store.start(fields, segment, {"layers": self.layers})
+        records = np.zeros(len(spans), dtype=self.store.dtype)
+        records["span"] = spans.cpu().numpy()
+        records["keys"], records["scale"] = q.cpu().numpy(), scale.cpu().numpy()
+        records["coarse"], records["coarse_scale"] = cq.cpu().numpy(), cscale.cpu().numpy()
+        if self._coarse is not None:
+            self._keep_coarse(dequantize(cq, cscale).permute(1, 2, 0, 3).cpu(), self.count)
+        self.store.append(records)
+        if self.store.forget(int(self.cap_mb * 2**20)):
+            self._reload()
+
+    def _reload(self) -> None:
+        """The in-memory coarse keys and content flags after the live window's start moved."""
+        self._coarse = None
+        self._content = self._content[:0]
+
+    # -- reading ------------------------------------------------------------------------------------------------
+    def read(self) -> tuple[torch.Tensor, "Rows", torch.Tensor]:
+        """The live groups' spans [groups, 2] (start, end), their digests (``Rows``: only the rows scored are read)
+        and the coarse keys [coarse layers, heads, groups, dim] (from memory after the first read)."""
         if not self.count:
-            return torch.zeros(0, 2, dtype=torch.long), np.zeros((0,), np.float16), torch.zeros(0)
-        heads, kdim = self.layout
-        if self._coarse is None:
-            coarse = torch.from_numpy(self.files.coarse())
-            self._coarse = torch.zeros(coarse.shape[1], heads, 0, kdim, dtype=COARSE_DTYPE)
-            self._keep_coarse(coarse.permute(1, 2, 0, 3), at=0)
-        return torch.from_numpy(self.files.spans()).long(), self.files.digests(), self._coarse[:, :, : self.count]
+            return torch.zeros(0, 2, dtype=torch.long), Rows(self.store), torch.zeros(0)
+        if self._coarse is None or self._coarse.shape[2] < self.count:
+            coarse = dequantize(self.store.field("coarse"), self.store.field("coarse_scale"))
+            self._coarse = torch.zeros(coarse.shape[1], coarse.shape[2], 0, coarse.shape[3], dtype=COARSE_DTYPE)
+            self._keep_coarse(coarse.permute(1, 2, 0, 3), 0)
+        spans = torch.from_numpy(self.store.field("span")).long()
+        return spans, Rows(self.store), self._coarse[:, :, : self.count]
+
+    def _keep_coarse(self, rows: torch.Tensor, at: int) -> None:
+        end = at + rows.shape[2]
+        if end > self._coarse.shape[2]:
+            grown = self._coarse.new_zeros(*self._coarse.shape[:2], max(end, 2 * self._coarse.shape[2], 256),
+                                           self._coarse.shape[3])
+            grown[:, :, :at] = self._coarse[:, :, :at]
+            self._coarse = grown
+        self._coarse[:, :, at: end] = rows.to(self._coarse.dtype)
 
     def has_content(self, spans: torch.Tensor, log, scaffolding: torch.Tensor) -> torch.Tensor:
-        """[groups] whether each group (``spans``, as ``read`` gives them) holds a token that is not template
-        scaffolding (``scaffolding``: token ids; ``log``: the token log). Kept in memory: each call looks only at
-        the groups added since the last."""
+        """[groups] whether each live group (``spans``, as ``read`` gives them) holds a token that is not template
+        scaffolding. Kept in memory: each call looks only at the groups added since the last."""
         known = self._content[: spans.shape[0]]
         if known.numel() < spans.shape[0]:
             start = int(spans[known.numel(), 0])
@@ -131,30 +231,49 @@ class Digests:
         self._content = known
         return known
 
-    def _keep_coarse(self, rows: torch.Tensor, at: int | None = None) -> None:
-        """Write ``rows`` ([coarse layers, heads, n, kdim]) after the first ``at`` (default: ``count``) rows of the
-        coarse keys in memory, growing them by doubling."""
-        at = self.count if at is None else at
-        end = at + rows.shape[2]
-        if end > self._coarse.shape[2]:
-            grown = self._coarse.new_zeros(*self._coarse.shape[:2], max(end, 2 * self._coarse.shape[2], 256),
-                                           self._coarse.shape[3])
-            grown[:, :, :at] = self._coarse[:, :, :at]
-            self._coarse = grown
-        self._coarse[:, :, at: end] = rows.to(self._coarse.dtype)
+    # -- the window a turn commits -------------------------------------------------------------------------------
+    def window(self) -> tuple[int, int, int]:
+        """(first, end, covered): what a turn's state names (storage/statefile.py)."""
+        return self.store.first, self.store.end, self.covered
 
-    def sync(self) -> None:
-        self.files.sync()
+    def restore(self, first: int, end: int, covered: int) -> None:
+        """Back to the window a committed state names, on disk too (a reopened conversation)."""
+        self.store.restore(first, end)
+        self.covered = covered if self.store.end == end else self._last_end()
+        self.stage = Stage(self.layers)
+        self._reload()
+
+    def rewind(self, first: int, end: int, covered: int) -> None:
+        """Back to an earlier window in memory (an undone turn; the files are cut when a turn commits over them, or
+        when the conversation reopens)."""
+        self.store.rewind(first, end)
+        self.covered = covered if self.store.end == end else self._last_end()
+        self.stage = Stage(self.layers)
+        self._reload()
 
     def truncate(self, n: int) -> None:
-        """Forget the groups that end after position ``n``."""
-        keep = self.files.truncate(n)
-        self._content = self._content[:keep]
+        """Forget what was staged for positions ``n`` and later (a read undone before its turn closed)."""
+        self.stage.truncate(n)
 
-    def close(self) -> None:
-        self.files.close()
+    def sync(self) -> None:
+        self.store.sync()
+
+    def drop_forgotten(self) -> None:
+        self.store.drop_forgotten()
 
     def delete(self) -> None:
-        self.files.delete()
-        self._coarse = None
-        self._content = self._content[:0]
+        self.store.delete()
+        self._reload()
+
+
+class Rows:
+    """The live digests as the scoring reads them: ``take(index)`` dequantizes the rows ``index`` (None: all) into
+    [k, layers, heads, REPS, dim] of the full pass's dtype."""
+
+    def __init__(self, store: DigestStore):
+        self.store = store
+        self.shape = (store.count,)
+
+    def take(self, index) -> torch.Tensor:
+        idx = None if index is None else np.asarray(index, dtype=np.int64)
+        return dequantize(self.store.field("keys", idx), self.store.field("scale", idx), FULL_DTYPE)

@@ -75,14 +75,23 @@ class QueryTap:
         return {li: rotary.rotate(q, -self.qpos[li].long()[None].to(q.device)) for li, q in self.queries.items()}
 
 
-def relevance(digests: np.ndarray, coarse: torch.Tensor, layers: list[int], queries: dict[int, torch.Tensor],
+def _take(digests, index) -> torch.Tensor:
+    """Rows ``index`` (None: all) of the digests: an array [groups, layers, heads, reps, dim], or an object whose
+    ``take`` reads them (core/recall/digest.py: ``Rows``)."""
+    if not isinstance(digests, np.ndarray):
+        return digests.take(index)
+    return torch.from_numpy(np.array(digests if index is None else digests[np.asarray(index)]))
+
+
+def relevance(digests, coarse: torch.Tensor, layers: list[int], queries: dict[int, torch.Tensor],
               scaling: dict[int, float]) -> torch.Tensor:
-    """[groups] how much the queries want each group (``score``). Past ``CANDIDATES`` groups, a coarse pass over
-    one key per group in three layers (``coarse``: [3, heads, groups, kdim]) and ``COARSE_ROWS`` of the query rows
-    picks the candidates whose digests are read and scored in full; the others get 0."""
+    """[groups] how much the queries want each group (``score``; ``digests`` as ``_take`` reads them). Past
+    ``CANDIDATES`` groups, a coarse pass over one key per group in three layers (``coarse``: [3, heads, groups,
+    kdim]) and ``COARSE_ROWS`` of the query rows picks the candidates whose digests are read and scored in full; the
+    others get 0."""
     groups = digests.shape[0]
     if groups <= CANDIDATES:
-        return score(torch.from_numpy(np.array(digests)), layers, queries, scaling)
+        return score(_take(digests, None), layers, queries, scaling)
     first, used = torch.zeros(groups), 0
     for ci, li in zip(range(coarse.shape[0]), [layers[i] for i in coarse_index(layers)]):
         q = queries.get(li)
@@ -93,7 +102,7 @@ def relevance(digests: np.ndarray, coarse: torch.Tensor, layers: list[int], quer
             used += 1
     picked = (first / max(used, 1)).topk(CANDIDATES).indices.sort().values
     out = torch.zeros(groups)
-    out[picked] = score(torch.from_numpy(digests[picked.numpy()]), layers, queries, scaling)
+    out[picked] = score(_take(digests, picked.numpy()), layers, queries, scaling)
     return out
 
 
