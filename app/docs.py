@@ -32,9 +32,11 @@ OTHER_FLAGS = (
      "loaded; +50% weight memory for fp32); `model`: as loaded; `auto`: `half` for an fp32 model on the CPU"),
     ("`--decode`", "auto",
      "`auto`: one-token steps of Llama-family models (Llama, Mistral, Qwen2) run in kvchat's step (`core/decode`: the "
-     "model's computation without transformers' per-module dispatch; with `--weights half` and a C++ compiler on "
-     "kvchat's operators, `core/ops/kernels.py`: one call per layer), other "
-     "models through their forward; `compiled`: that step, every layer in one `torch.compile` graph (fp32 models on "
+     "model's computation without transformers' per-module dispatch; on CUDA the graph step; on the CPU with "
+     "`--weights half` and a C++ compiler on kvchat's operators, `core/ops/kernels.py`: one call per layer), other "
+     "models through their forward; `graph`: the whole step (every layer, the cache write, attention, the policy's "
+     "statistics) captured once as a CUDA graph over the cache's fixed-capacity buffers and replayed per token "
+     "(`core/decode/graph.py`; uncaptured on the CPU); `compiled`: that step, every layer in one `torch.compile` graph (fp32 models on "
      "the CPU; a minute or two to compile the first time, seconds once inductor's cache has it; eager step if "
      "compiling fails); `model`: every step through the model's forward"),
     ("`--chat-template`", "the model's",

@@ -22,6 +22,7 @@ from ..core.decode.weights import WEIGHTS
 from ..policies import POLICIES
 
 ORDER = ("ppl", "recall", "speed", "memory", "headaware", "kvpress", "chat", "durability")
+REPORTED = ORDER + ("speed_cuda",)  # speed on a GPU: ``kvchat bench speed --device cuda``, its own results
 EXIT_SANITY = 1
 NON_NEGATIVE = ("sinks", "margin", "recompute_lengths", "seed")  # integer options where 0 is meaningful
 DOCS = "docs"  # full runs' default output: the committed results
@@ -113,6 +114,19 @@ def _validate(ns) -> None:
         raise ValueError("--budgets needs at least one budget")
 
 
+def _on_gpu(mod, ns):
+    """``kvchat bench speed --device cuda`` is its own bench (bench/speed_cuda.py: models built on the GPU, its own
+    result file), with its larger defaults where the options were left at the CPU bench's."""
+    if mod.NAME != "speed" or ns.device != "cuda":
+        return mod, ns
+    gpu = _module("speed_cuda")
+    defaults = _defaults(mod)
+    for k, v in gpu.GPU_DEFAULTS.items():
+        if getattr(ns, k) == defaults[k]:
+            setattr(ns, k, v)
+    return gpu, ns
+
+
 def command_line(name: str, args, ns=None, mod=None) -> str:
     """The command that reproduces this run: the bench, --quick, and every option not at its default."""
     parts = ["kvchat", "bench", name] + (["--quick"] if args.quick else [])
@@ -141,23 +155,30 @@ def run(args) -> int:
     from .common import Run, SanityError, load_model, log
 
     out = output_dir(args)
-    modules = [_module(n) for n in ORDER]
+    modules = [_module(n) for n in REPORTED]
     if args.bench == "report":
         if not (out / "results").is_dir():
             raise ValueError(f"no results under {out}/results; run a bench first")
         print(report.write(out, modules))
         return 0
-    chosen = modules if args.bench == "all" else [_module(args.bench)]
+    chosen = [_module(n) for n in ORDER] if args.bench == "all" else [_module(args.bench)]
     plans = [(mod, _resolve(mod, args)) for mod in chosen]  # every option checked before the model loads
+    plans = [_on_gpu(mod, ns) for mod, ns in plans]
     if args.quick and args.out is None:
         log(f"quick run: writing to {out} (the committed {DOCS}/ is left alone; --out {DOCS} to replace it)")
-    cm = load_model(args.model, weights=args.weights, decode=args.decode)
+    cm = None
+    if any(not getattr(mod, "BUILDS_MODELS", False) for mod, _ in plans):
+        cm = load_model(args.model, weights=args.weights, decode=args.decode)
     failed = []
     for mod, ns in plans:
-        decode = "model" if cm.step is None else "compiled" if isinstance(cm.step, CompiledStep) else "kvchat"
-        config = {**{k: v for k, v in vars(ns).items() if k not in ("json", "out")}, "weights": cm.weights,
-                  "decode": decode}
-        bench = Run(mod.NAME, args.quick, config, model=cm.name, command=command_line(args.bench, args, ns, mod))
+        config = {k: v for k, v in vars(ns).items() if k not in ("json", "out")}
+        builds = getattr(mod, "BUILDS_MODELS", False)
+        if not builds:
+            decode = "model" if cm.step is None else "compiled" if isinstance(cm.step, CompiledStep) else "kvchat"
+            config.update(weights=cm.weights, decode=decode)
+        options = _module(args.bench) if builds else mod  # the options' defaults: the bench named
+        model = (args.model if args.model != "default" else ", ".join(ns.shapes)) if builds else cm.name
+        bench = Run(mod.NAME, args.quick, config, model=model, command=command_line(args.bench, args, ns, options))
         log(f"== bench {mod.NAME}{' (quick)' if args.quick else ''}")
         try:
             mod.run(ns, bench, cm)

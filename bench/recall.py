@@ -41,6 +41,7 @@ from ..core.engine.settings import Settings
 from ..policies import POLICIES
 from ..storage.db import Store
 from .common import Run, data_dir, log, save_figure
+from .recall_facts import FACT_SETS, FACTS
 
 NAME = "recall"
 TITLE = "Recall across turns"
@@ -51,28 +52,6 @@ QUICK = {"policies": ["streaming"], "budgets": [128], "cases": 2, "kinds": ["dir
 
 # (statement, direct question, paraphrased question, reference answer, value, family); a family's statements are
 # each other's same-kind distractors.
-FACTS = [
-    ("My bike lock code is {v}.", "What is my bike lock code?", "Which numbers open the lock on my bicycle?",
-     "Your bike lock code is {v}.", lambda r: str(r.randint(1000, 9999)), "code"),
-    ("My locker code is {v}.", "What is my locker code?", "Which combination opens my locker at the gym?",
-     "Your locker code is {v}.", lambda r: str(r.randint(1000, 9999)), "code"),
-    ("My phone PIN is {v}.", "What is my phone PIN?", "What do I type to unlock my mobile?",
-     "Your phone PIN is {v}.", lambda r: str(r.randint(1000, 9999)), "code"),
-    ("I parked the car on level {v} of the garage.", "Which level of the garage did I park on?",
-     "Where did I leave the car?", "You parked on level {v}.", lambda r: str(r.randint(2, 9)), "place"),
-    ("My sister's name is {v}.", "What is my sister's name?", "What is my sibling called?",
-     "Your sister's name is {v}.",
-     lambda r: r.choice(["Margaret", "Beatrice", "Eleanor", "Harriet", "Josephine", "Clementine"]), "name"),
-    ("My dentist is called Dr. {v}.", "What is my dentist called?", "Who looks after my teeth?",
-     "Your dentist is Dr. {v}.", lambda r: r.choice(["Okafor", "Lindqvist", "Moreau", "Tanaka", "Petrov"]), "name"),
-    ("The team meeting is in {v}.", "Where is the team meeting?", "In which city do my colleagues and I gather?",
-     "The team meeting is in {v}.", lambda r: r.choice(["Lisbon", "Nairobi", "Winnipeg", "Osaka", "Tbilisi"]),
-     "place"),
-    ("My flight number is {v}.", "What is my flight number?", "Which plane am I booked on?",
-     "Your flight number is {v}.", lambda r: f"{r.choice(['KL', 'AF', 'LH', 'BA'])}{r.randint(100, 999)}", "code"),
-]
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", nargs="+", default=["streaming", "h2o", "tova", "snapkv"])
     p.add_argument("--budgets", type=int, nargs="+", default=[256, 512])
@@ -85,6 +64,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--archive-sizes", type=int, nargs="+", default=[1000, 10000, 100000],
                    help="archived tokens at which recall's scoring is timed")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--facts", choices=tuple(FACT_SETS), default="bench",
+                   help="the facts planted: the bench's own, or a held-out set never used to tune recall")
     p.add_argument("--data", default=None, help="the shared data directory (default ../shared/data)")
 
 
@@ -114,18 +95,19 @@ def filler_pairs(data: Path) -> list[tuple[str, str]]:
     return out
 
 
-def make_cases(data: Path, kinds: list[str], n: int, seed: int) -> list[dict]:
+def make_cases(data: Path, kinds: list[str], n: int, seed: int, facts: list | None = None) -> list[dict]:
     rnd = random.Random(seed)
+    facts = FACTS if facts is None else facts
     pairs = filler_pairs(data)
     cases = []
     for kind in kinds:
         for i in range(n):
-            j = (i + KINDS.index(kind)) % len(FACTS)
-            say, direct, para, ref, value, family = FACTS[j]
+            j = (i + KINDS.index(kind)) % len(facts)
+            say, direct, para, ref, value, family = facts[j]
             v = value(rnd)
             planted = [(say.format(v=v), "Noted, I will remember that.")]
             if kind == "distractor":
-                others = [f for f in FACTS if f[5] == family and f is not FACTS[j]]
+                others = [f for f in facts if f[5] == family and f is not facts[j]]
                 for other in rnd.sample(others, min(2, len(others))):
                     w = other[4](rnd)
                     while w == v:
@@ -135,7 +117,7 @@ def make_cases(data: Path, kinds: list[str], n: int, seed: int) -> list[dict]:
             start = rnd.randrange(len(pairs) - 200)
             cases.append({"kind": kind, "where": "start" if i % 2 == 0 else "middle", "planted": planted,
                           "ask": para if kind == "paraphrase" else direct, "reference": ref.format(v=v),
-                          "expect": v, "filler": pairs[start: start + 200]})
+                          "expect": v, "filler": pairs[start:] + pairs[:start]})  # the same first 200 as ever
     return cases
 
 
@@ -146,8 +128,12 @@ def run_case(cm, settings: Settings, case: dict, after: int, max_new_tokens: int
     if case["where"] == "middle":  # half the chat before the fact
         while session.total_tokens < after // 2:
             session.exchange(*next(filler))
+    fact = None  # the true fact's message: [start, end)
     for user, ack in case["planted"]:
+        start = session.total_tokens
         session.exchange(user, ack)
+        if case["expect"] in user:
+            fact = (start, session.total_tokens)
     fact_end = session.total_tokens
     while session.total_tokens - fact_end < after or session.total_tokens < settings.budget + 64:
         session.exchange(*next(filler))
@@ -167,7 +153,8 @@ def run_case(cm, settings: Settings, case: dict, after: int, max_new_tokens: int
            "probe_hit": bool(probe.hit), "nll": probe.expect_nll, "history": session.total_tokens - probe.prompt_tokens,
            "evicted": session.evicted_total, "ttft_ms": reply.prefill_ms, "recall_ms": reply.recall_ms,
            "recalled_tokens": reply.recalled_tokens, "archive_tokens": session.total_tokens,
-           "putback_ms": reply.recall_ms - scoring[0] if reply.recalled_tokens else None}
+           "putback_ms": reply.recall_ms - scoring[0] if reply.recalled_tokens else None,
+           "fact_recalled": fact is not None and any(a < fact[1] and b > fact[0] for a, b in reply.recalled)}
     session.close()
     if session.conversation_id is not None:
         store.delete(session.conversation_id)
@@ -182,13 +169,15 @@ def cell(cm, settings: Settings, cases: list[dict], after: int, max_new_tokens: 
         row = {"policy": settings.policy, "budget": settings.budget if POLICIES[settings.policy].bounded else None,
                "recall": settings.recall, "kind": kind, "after_tokens": after, "cases": len(res),
                "generated_hits": sum(r["generated_hit"] for r in res), "probe_hits": sum(r["probe_hit"] for r in res),
+               "fact_recalled": sum(r["fact_recalled"] for r in res),
                "mean_nll": statistics.mean(r["nll"] for r in res), "evicted": [r["evicted"] for r in res],
                "ttft_ms": statistics.mean(r["ttft_ms"] for r in res), "recall_ms": statistics.mean(ms) if ms else None,
                "recalled_tokens": statistics.mean(r["recalled_tokens"] for r in res),
                "putback_ms": [r["putback_ms"] for r in res if r["putback_ms"] is not None],
                "history": statistics.mean(r["history"] for r in res), "answers": [r["answer"] for r in res]}
         log(f"recall {settings.policy:10s} budget {row['budget'] or '-':>5} recall {settings.recall:3s} {kind:10s}: "
-            f"generated {row['generated_hits']}/{len(res)}, probe {row['probe_hits']}/{len(res)}, "
+            f"generated {row['generated_hits']}/{len(res)}, probe {row['probe_hits']}/{len(res)}, fact recalled "
+            f"{row['fact_recalled']}/{len(res)}, "
             f"NLL {row['mean_nll']:.3f}, TTFT {row['ttft_ms']:.0f} ms")
         rows.append(row)
     return rows
@@ -258,14 +247,17 @@ def run(args, run: Run, cm) -> None:
     import tempfile
 
     data = data_dir(args.data)
-    cases = make_cases(data, args.kinds, args.cases, args.seed)
+    cases = make_cases(data, args.kinds, args.cases, args.seed, FACT_SETS[args.facts])
     run.rows = {"cells": [], "replay": [], "scoring": [], "facts": [c["expect"] for c in cases]}
     cells = run.rows["cells"]
     with tempfile.TemporaryDirectory(prefix="kvchat-bench-recall-") as tmp:
         store = Store(Path(tmp) / "recall.db")
-        ceiling = cell(cm, Settings(policy="full"), cases, args.after, args.max_new_tokens, store)
-        cells.extend(ceiling)
-        run.rows["replay"].append(replay_nll(cm, Settings(policy="full"), data, args.replay_turns, store))
+        if args.after + 1024 < cm.max_positions:  # the full cache holds the whole chat: the ceiling
+            cells.extend(cell(cm, Settings(policy="full"), cases, args.after, args.max_new_tokens, store))
+            run.rows["replay"].append(replay_nll(cm, Settings(policy="full"), data, args.replay_turns, store))
+        else:
+            log(f"recall: no full-cache ceiling: {args.after} tokens after the fact pass the model's "
+                f"{cm.max_positions} positions")
         for budget in args.budgets:
             for p in args.policies:
                 for mode in args.recall:

@@ -23,7 +23,10 @@ hf_logging.disable_progress_bar()
 
 @pytest.fixture(scope="session")
 def default_dir() -> Path:
-    """The default model converted into $KVCHAT_HOME (once per machine)."""
+    """The default model converted into $KVCHAT_HOME (once per machine); with ``KVCHAT_TOKENIZER`` set, that folder:
+    its tokenizer and chat template alone, for the tiny models of a GPU machine's run (scripts/gpu_check.sh)."""
+    if os.environ.get("KVCHAT_TOKENIZER"):
+        return Path(os.environ["KVCHAT_TOKENIZER"])
     try:
         return models.default_model_dir()
     except models.ModelError as exc:

@@ -129,3 +129,38 @@ def test_quick_benches_write_json_plots_and_report(default_dir, tmp_path, capsys
     assert "sink 0 worse than sink 4" in md and "kvpress side not run" in md
     ppl = json.loads((tmp_path / "results" / "ppl.json").read_text())["results"]["runs"]
     assert all(r["max_cache"] <= r["bound"] for r in ppl if r["bound"])
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="a CUDA device is here")
+def test_speed_on_cuda_without_a_gpu_is_refused_before_any_model_loads(capsys, monkeypatch):
+    monkeypatch.setattr("kvchat.bench.common.load_model", lambda spec, **kw: pytest.fail("the model must not load"))
+    assert _exit_code(["bench", "speed", "--device", "cuda", "--out", "/nonexistent/x"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_gpu_speed_bench_runs_its_whole_grid_on_a_tiny_model(default_dir, tmp_path):
+    """bench/speed_cuda.py's every measurement on the CPU with the tiny shape (what a GPU run does at its sizes):
+    rows for each policy and transformers, rooflines, compressions, the chat's TTFT, the report section."""
+    import argparse
+
+    from kvchat.bench import speed, speed_cuda
+    from kvchat.bench.common import Run
+
+    p = argparse.ArgumentParser()
+    speed.add_arguments(p)
+    ns = p.parse_args(["--device", "cpu", "--shapes", "tiny", "--budgets", "64", "--steps", "80", "--policies",
+                       "streaming", "h2o", "--ttft-turns", "3", "--ttft-prompts", "10", "40", "--replay-turns", "4",
+                       "--no-compiled-reference", "--tokenizer", str(default_dir)])
+    ns.model, ns.decode = "default", "graph"
+    run = Run("speed-cuda", False, {})
+    speed_cuda.run(ns, run)
+    rows = run.rows["shapes"]["tiny"]["rows"]
+    assert [r["policy"] for r in rows] == ["streaming", "h2o", "full", "transformers"]
+    for r in rows[:3]:
+        assert r["ms_per_token"] > 0 and r["roofline_ratio"] > 0 and r["eager_steps"] <= 1 and r["replays"] >= 79
+    assert all(r["compress_ms"] for r in rows[:2])  # 80 steps past budget 64 + slack 64 - 64: compressions timed
+    assert rows[3]["ms_per_token"] > 0 and "error" not in rows[3]
+    ttft = run.rows["shapes"]["tiny"]["chat"]["ttft"]
+    assert [t["turn"] for t in ttft] == [3, 4] and all(t["ttft_ms"] > 0 for t in ttft)
+    assert all(c["ok"] for c in run.checks)
+    assert "| 64 | streaming |" in speed_cuda.markdown(run.result())

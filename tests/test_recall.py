@@ -12,10 +12,19 @@ from kvchat.core.engine.session import Sampling, Session
 from kvchat.core.engine.settings import Settings
 from kvchat.storage.db import Store
 from kvchat.core.cache import compress
+from kvchat.core.recall import choose as recall_choose, gate
 from test_durability import TURNS, assert_same_cache
 
 GREEDY = Sampling(max_new_tokens=10, temperature=0.0)
 BOUNDED = ["streaming", "window", "h2o", "tova", "snapkv", "cake", "headaware"]
+
+
+@pytest.fixture(autouse=True)
+def open_gate(request, monkeypatch):
+    """Recall's gate (core/recall/gate.py) keeps what makes a message more predictable: on tiny random models that
+    is chance, so the tests of recall's mechanics keep whatever recall chooses; tests marked ``gate`` keep the gate."""
+    if request.node.get_closest_marker("gate") is None:
+        monkeypatch.setattr(gate, "keeps", lambda without, with_recall: True)
 
 
 def _settings(**kw):
@@ -159,15 +168,15 @@ def test_forgetting_a_read_message_by_its_mark_equals_the_whole_checkpoint(tiny,
     restore = ReadMark.restore
 
     def run(folder, marks):
-        if marks:
-            monkeypatch.setattr(ReadMark, "restore", lambda self, session: restored.append(1) or restore(self, session))
-        else:
-            monkeypatch.setattr(ReadMark, "capture", classmethod(lambda cls, session, tokens: None))
-        # slack for a short message to fit the free slots after a compression
-        session = Session(tiny("llama"), _settings(policy=policy, slack=24), store=Store(tmp_path / folder / "m.db"),
-                          sampling=GREEDY)
-        results = _chat(session) + [session.chat("And what did I say about the sea?")]
-        monkeypatch.undo()
+        with pytest.MonkeyPatch.context() as patch:
+            if marks:
+                patch.setattr(ReadMark, "restore", lambda self, session: restored.append(1) or restore(self, session))
+            else:
+                patch.setattr(ReadMark, "capture", classmethod(lambda cls, session, tokens: None))
+            # slack for a short message to fit the free slots after a compression
+            session = Session(tiny("llama"), _settings(policy=policy, slack=24),
+                              store=Store(tmp_path / folder / "m.db"), sampling=GREEDY)
+            results = _chat(session) + [session.chat("And what did I say about the sea?")]
         return session, results
 
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
@@ -237,6 +246,7 @@ def _filler(n):
             if len(c["conversations"]) >= 2 and c["conversations"][0]["from"] == "human"][:n]
 
 
+@pytest.mark.gate
 def test_an_evicted_fact_comes_back_for_a_question_in_other_words(smol, tmp_path):
     """The default model: a fact planted at the start and evicted by 600+ tokens of chat at budget 128 comes back
     for a question sharing almost no words with it, and the probe predicts it (recall off: it does not)."""
@@ -339,8 +349,8 @@ def test_digests_stand_for_a_group_by_its_content_keys_as_computed(tiny, tmp_pat
     seen = {}
     forward = session.forward
 
-    def remember(ids, abs_pos, all_logits=False, tap=None, at=None):  # every key as the forward computed it
-        out = forward(ids, abs_pos, all_logits, tap, at)
+    def remember(ids, abs_pos, all_logits=False, tap=None, at=None, **kw):  # every key as the forward computed it
+        out = forward(ids, abs_pos, all_logits, tap, at, **kw)
         if at is None:
             for li in session.digests.layers:
                 layer = session.cache.layers[li]
@@ -480,3 +490,37 @@ def test_reorder_puts_recalled_slots_in_place_with_the_median_statistic(policy, 
                 got = layer.head_view(t, h).tolist()
                 assert got == [stats[p][name] if p in stats else fill for p in pos]
     assert policy != "h2o" or "acc" in session.cache.layers[0].stats
+
+
+@pytest.mark.gate
+def test_a_declined_recall_leaves_the_turn_as_if_nothing_had_been_recalled(tiny, tmp_path, monkeypatch):
+    """The gate declining what recall read back puts the session where the first read left it: the same answers,
+    cache, statistics, token log and evictions as a session whose recall found nothing to bring back."""
+    plan = recall_choose.plan
+    sessions, results = [], []
+    for declines in (True, False):
+        if declines:
+            monkeypatch.setattr(gate, "GAIN", float("inf"))
+            monkeypatch.setattr(recall_choose, "plan", plan)
+        else:
+            monkeypatch.setattr(recall_choose, "plan", lambda *a, **k: {**plan(*a, **k), "recalled": []})
+        session = Session(tiny("llama"), _settings(policy="h2o"), store=Store(tmp_path / f"{declines}.db"),
+                          sampling=GREEDY)
+        results.append(_chat(session) + [session.chat("And what did I say about the sea?")])
+        sessions.append(session)
+    declined = [r for r in results[0] if r.recall_declined]
+    assert declined and all(not r.recalled for r in results[0])  # recall read text back, the gate took it back
+    assert [r.answer for r in results[0]] == [r.answer for r in results[1]]
+    assert_same_cache(*sessions)
+    assert sessions[0].evicted_total == sessions[1].evicted_total
+    assert torch.equal(sessions[0].log.column("token"), sessions[1].log.column("token"))
+
+
+@pytest.mark.gate
+def test_the_gate_compares_the_messages_content_tokens():
+    scaffolding = torch.tensor([1, 2])
+    ids = torch.tensor([1, 5, 6, 2])
+    assert gate.content_nll((ids, torch.tensor([-9.0, -1.0, -3.0, -9.0])), scaffolding) == pytest.approx(2.0)
+    assert gate.content_nll((torch.tensor([1, 2]), torch.tensor([-1.0, -1.0])), scaffolding) is None
+    assert gate.keeps(2.0, 2.0 - gate.GAIN) and not gate.keeps(2.0, 2.0 - gate.GAIN / 2)
+    assert not gate.keeps(None, 1.0) and not gate.keeps(1.0, None)

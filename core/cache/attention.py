@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -85,6 +86,14 @@ def kvchat_attention(module, query, key, value, attention_mask=None, scaling=Non
             outs.append(out)
         return torch.cat(outs, dim=1).transpose(1, 2).contiguous(), None
     n = key.shape[2]
+    if q > 1 and n > q and query.device.type == "cuda" and dropout == 0.0 and kwargs.get("softcap") is None:
+        # A prefill on top of the cache, on a GPU: the queries are the last q of the n keys, the causality SDPA's
+        # lower-right bias gives its flash and memory-efficient kernels without a mask in memory.
+        groups = query.shape[1] // key.shape[1]
+        if groups > 1:
+            key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=causal_lower_right(q, n), scale=scaling)
+        return out.transpose(1, 2).contiguous(), None
     if q > 1 and n == q:
         return sdpa_attention_forward(module, query, key, value, None, dropout=dropout, scaling=scaling,
                                       is_causal=True, **kwargs)

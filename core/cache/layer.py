@@ -126,6 +126,11 @@ class KVLayer(CacheLayerMixin):
             a = self.offs[h] + self.lens[h] - q
             self.k0[a: a + q] = key_states[0, h]
 
+    def advanced(self, q: int) -> None:
+        """Every head holds q more: a step that wrote the tokens' slots itself (keys, values, computed keys,
+        positions, zeroed statistics, no storage row: core/decode/graph.py) counts them."""
+        self.lens = [n + q for n in self.lens]
+
     def free_slot(self) -> int | None:
         """The slot a one-token step writes in every head, when every head holds the same number of tokens in
         buffers of one capacity with room for one more (None otherwise: ``update`` starts, resizes or writes head by
@@ -172,6 +177,11 @@ class KVLayer(CacheLayerMixin):
     def length(self) -> int:
         """Positions held by the fullest head."""
         return max(self.lens, default=0)
+
+    @property
+    def uniform_caps(self) -> bool:
+        """Whether every head has the same capacity (its buffers then view as [heads, capacity, dim])."""
+        return len(set(self.caps)) == 1
 
     @property
     def uniform(self) -> bool:
@@ -255,20 +265,26 @@ class KVLayer(CacheLayerMixin):
 
     def load(self, caps: list[int], tensors: list[dict[str, torch.Tensor]], pos_off: list[int]) -> None:
         """Fill the layer from saved per-head slot tensors (``tensors[h]``: name -> [n_h, ...], as ``per_slot``
-        names them; an undo copy)."""
+        names them; an undo copy). Buffers of the same capacities, dtype and statistics are written in place (the
+        graph step's capture over them stays valid), else allocated anew."""
         first = tensors[0]["keys"]
-        self.start(first.dtype, first.device, first.shape[-1], tensors[0]["values"].shape[-1])
-        self.stats = {name[5:]: torch.zeros(0, dtype=t.dtype) for name, t in tensors[0].items()
-                      if name.startswith("stat.")}
-        self.lens = [0] * len(caps)
-        self._allocate(caps)
+        stats = {name[5:]: t.dtype for name, t in tensors[0].items() if name.startswith("stat.")}
+        same = (self.is_initialized and list(caps) == self.caps and self.keys is not None and
+                self.keys.dtype == first.dtype and self.keys.device == first.device and
+                self._dims == (first.shape[-1], tensors[0]["values"].shape[-1]) and
+                {n: t.dtype for n, t in self.stats.items()} == stats and (self.k0 is not None) == ("k0" in tensors[0]))
+        if not same:
+            self.start(first.dtype, first.device, first.shape[-1], tensors[0]["values"].shape[-1])
+            self.stats = {name: torch.zeros(0, dtype=dtype) for name, dtype in stats.items()}
+            self.lens = [0] * len(caps)
+            self._allocate(caps)
         slots = self.per_slot()
         for h, saved in enumerate(tensors):
             n = saved["keys"].shape[0]
             for name, t in saved.items():
                 if name in slots:
                     slots[name][self.offs[h]: self.offs[h] + n] = t
-            self.lens[h] = n
+        self.lens = [saved["keys"].shape[0] for saved in tensors]
         self.pos_off = list(pos_off)
 
     # -- compression ------------------------------------------------------------------------------------------

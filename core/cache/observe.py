@@ -40,6 +40,10 @@ class Observer:
         self._scaling: dict[int, float] = {}
         #: layer -> decode steps' (query, positions) not yet copied into the window (``_flush``)
         self._pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        #: the graph step's rows of decode steps' queries (core/decode/graph.py ``Ring``), and per layer the steps
+        #: of it already in the window; at any time only the ring or ``_pending`` holds rows not yet taken
+        self._ring = None
+        self._ring_seen: dict[int, int] = {}
 
     def mark(self) -> tuple:
         """The query window as it is now, for ``restore`` (references: window tensors are replaced, never written
@@ -51,6 +55,7 @@ class Observer:
         """Back to the window of ``mark``: what was observed since is forgotten."""
         self._queries, self._qpos, self._count, self._scaling = (dict(d) for d in mark)
         self._pending = {}
+        self._skip_ring()
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         self._flush()
@@ -63,6 +68,7 @@ class Observer:
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor], device) -> None:
         self._pending = {}
+        self._skip_ring()
         for key, t in tensors.items():
             parts = key.split(".")
             if parts[0] != "obs" or parts[2] != "queries":
@@ -100,8 +106,25 @@ class Observer:
         observer with ``summed``: ``acc`` when this observer keeps it, else None."""
         return layer.ensure_stat("acc") if self.accumulate else None
 
+    def ring_written(self, ring) -> None:
+        """The graph step wrote one more decode step's query of every layer into ``ring`` (its row ``total - 1``),
+        to be taken into the window when the window is next read, as ``_pending`` steps are."""
+        if ring is not self._ring:
+            self._flush()
+            self._ring, self._ring_seen = ring, {li: ring.total - 1 for li in ring.queries}
+            self._scaling.update(ring.scaling)
+        elif self._pending:  # eager steps before this one: theirs go first
+            self._flush()
+
+    def _skip_ring(self) -> None:
+        """Forget the ring's rows not taken yet."""
+        if self._ring is not None:
+            self._ring_seen = {li: self._ring.total for li in self._ring.queries}
+
     def _remember(self, layer_idx: int, query: torch.Tensor) -> None:
         if query.shape[2] == 1:
+            if self._ring is not None and any(self._ring.total > n for n in self._ring_seen.values()):
+                self._flush()  # the graph's steps before this one go first
             # A decode step: its query joins the window when the window is next read (a compression, a turn's
             # saved state, a mark), with the other pending ones in one copy; until then it is kept as it is
             # (attention creates the query anew every step and never writes into it). Only the newest ``window``
@@ -116,7 +139,15 @@ class Observer:
         self._append(layer_idx, query[0, :, -take:].transpose(0, 1), self.positions[-take:])
 
     def _flush(self, layer_idx: int | None = None) -> None:
-        """Copy the pending decode steps' queries into the window (of ``layer_idx``, or of every layer)."""
+        """Copy the pending decode steps' queries into the window (of ``layer_idx``, or of every layer): the graph
+        step's rows not taken yet, or the eager steps' queries."""
+        ring = self._ring
+        if ring is not None:
+            for li in [layer_idx] if layer_idx is not None else list(self._ring_seen):
+                new = ring.total - self._ring_seen.get(li, ring.total)
+                if new > 0 and li in ring.queries:
+                    self._append(li, *ring.newest(li, min(new, ring.size)))
+                    self._ring_seen[li] = ring.total
         for li in [layer_idx] if layer_idx is not None else list(self._pending):
             steps = self._pending.pop(li, None)
             if steps:

@@ -3,6 +3,8 @@
 * ``eager.DecodeStep`` (``--decode auto``): Llama-family models layer by layer without transformers' dispatch; on
   the CPU with ``--weights half`` one of kvchat's C++ operators per layer (core/ops);
 * ``compiled.CompiledStep`` (``--decode compiled``): that step as one ``torch.compile`` graph (fp32 on the CPU);
+* ``graph.GraphStep`` (``--decode graph``, and ``auto`` on CUDA): the whole step captured once as a CUDA graph over
+  the cache's fixed-capacity buffers and replayed per token (on the CPU it runs uncaptured: tests);
 * ``None`` (``--decode model``, or a model the steps do not serve): every step through the model's forward.
 """
 
@@ -14,17 +16,24 @@ from torch import nn
 
 from .compiled import CompiledStep
 from .eager import DecodeStep
+from .graph import GraphStep
 from .parts import DECODE, check
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DECODE", "CompiledStep", "DecodeStep", "build", "check"]
+__all__ = ["DECODE", "CompiledStep", "DecodeStep", "GraphStep", "build", "check"]
 
 
 def build(model: nn.Module, decode: str = "auto") -> DecodeStep | None:
     """The step that decodes ``model`` for ``decode`` (``DECODE``), None where the model's forward does."""
     if check(decode) == "model" or DecodeStep.unsupported(model) is not None:
         return None
+    on_cuda = next(model.parameters()).device.type == "cuda"
+    if decode == "graph" or (decode == "auto" and on_cuda):
+        why = GraphStep.unsupported(model)
+        if why is None:
+            return GraphStep(model)
+        log.warning("--decode graph: %s; kvchat's eager step instead", why)
     if decode == "compiled":
         why = CompiledStep.unsupported(model)
         if why is None:

@@ -150,6 +150,16 @@ class DecodeStep:
             block = self._rope_blocks[b] = torch.cat(self._rope(x, positions))
         return block
 
+    def decode(self, ids: torch.Tensor, pos: torch.Tensor, abs_pos: torch.Tensor, cache, observer=None):
+        """The logits [1, vocab] of one token (``ids`` [1]) at rotary position ``pos`` ([1]; its absolute one
+        ``abs_pos``), on top of ``cache``: what the engine calls (core/engine/feeding.py)."""
+        device = self.embed.weight.device
+        cache.incoming_abs = abs_pos.to(device=device, dtype=torch.int32)
+        cache.incoming_pos = pos.to(device=device, dtype=torch.int32)
+        if observer is not None:
+            observer.positions = pos.to(device)
+        return self(ids.to(device), pos.to(device), cache, observer)
+
     def __call__(self, token: torch.Tensor, position: torch.Tensor, cache, observer=None) -> torch.Tensor:
         """Logits [1, vocab] for one token id (``token``, shape [1]) at ``position`` ([1]) on top of ``cache``."""
         x, cos, sin = self._embed(token, position)

@@ -74,9 +74,12 @@ class Checkpoint:
         removed = session.messages[len(self.messages):]
         session.settings, session.policy = self.settings, make_policy(self.settings.policy, **self.settings.params)
         session.policy.set_state(self.policy_state)
-        session.cache = session.new_cache(self.capacity)
+        cache = session.cache  # written back in place where it can be (the graph step's capture over it stays valid)
+        if cache.capacity != self.capacity or any(layer.is_initialized and f"{i}.caps" not in self.cache
+                                                  for i, layer in enumerate(cache.layers)):
+            session.cache = cache = session.new_cache(self.capacity)
         if self.cache:
-            session.cache.load_state_tensors(self.cache)
+            cache.load_state_tensors(self.cache)
         session.observer = session.make_observer(session.policy)
         if session.observer is not None and self.observer:
             session.observer.load_state_tensors(self.observer, model.device)

@@ -4,12 +4,14 @@ Mixed into ``Session``."""
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
 
 from ..cache import compress
 from ..recall import choose as recall
+from ..recall import gate
 from .checkpoint import Checkpoint, ReadMark
 from ..cache.observe import Observer
 from ..recall.score import QueryTap
@@ -35,8 +37,9 @@ class Feeding:
         first_role = self.messages[segments[0][1]]["role"]
         if len(segments) > 1 and first_role == "user" and self.recalling:
             # The message's queries choose what comes back. When something does, the session goes back to before
-            # the message was read (the undo checkpoint) and it is fed again after the recall, so its own KV is
-            # computed with the recalled text before it, as it was when that text was still cached.
+            # the message was read and it is fed again after the recall, so its own KV is computed with the
+            # recalled text before it, as it was when that text was still cached; the recalled text stays only if
+            # it makes the message markedly more predictable (``_read_with``, core/recall/gate.py).
             tap = QueryTap(self.digests.layers)
             # Room for the message first, as reading it would make (a message longer than the slack is read in
             # pieces with compressions between: the whole cache is copied to forget that read).
@@ -44,19 +47,14 @@ class Feeding:
             t = time.perf_counter()
             before = ReadMark.capture(self, len(segments[0][0])) or Checkpoint.capture(self)
             marking = 1000 * (time.perf_counter() - t)
-            head = self._feed(segments[:1], want_logprobs=want_logprobs, tap=tap)
+            head = self._feed(segments[:1], want_logprobs=want_logprobs, tap=tap, tail=gate.TAIL)
             found = recall.plan(self, tap)
             found["recall_ms"] += marking  # what recall adds to every message: the mark, the scoring, the put-back
             if found["recalled"]:
-                t = time.perf_counter()
-                before.restore(self)  # the first read is forgotten, what the digests staged of it too
-                self.digests.truncate(self.log.n)
-                recall.bring_back(self, found["bring"])
-                found["recall_ms"] += 1000 * (time.perf_counter() - t)
-                head = self._feed(segments[:1], want_logprobs=want_logprobs)
-                self.recall_release = True  # kept through the reply's first compression, then the policy decides
+                head = self._read_with(segments[:1], want_logprobs, before, found, head)
             for key in ("recalled_tokens", "recalled_groups", "recalled", "recall_ms"):
                 setattr(res, key, found[key])
+            res.recall_declined, res.recall_gain = found.get("declined", []), found.get("recall_gain")
             out = self._feed(segments[1:], want_logprobs=want_logprobs)
             if want_logprobs:  # one sequence of scores, as if fed at once: the boundary token scored by head's logits
                 nxt = segments[1][0][0]
@@ -69,13 +67,42 @@ class Feeding:
         res.prompt_tokens = sum(len(ids) for ids, _ in segments)
         return out
 
+    def _read_with(self, message, want_logprobs: bool, before, found: dict, first):
+        """Read ``message`` again with the text ``found`` recalled before it; keep that read if the recalled text
+        makes the message markedly more predictable (core/recall/gate.py), else go back to the first read
+        (``first``: its ``_feed`` result). Returns the read kept; ``found`` says what stayed."""
+        t = time.perf_counter()
+        scaffolding = self.model.scaffolding_ids()
+        without = gate.content_nll(self.tail_logprobs, scaffolding)
+        after_first = Checkpoint.capture(self)  # the message read without recall: kept if recall does not help
+        stage, guard = copy.deepcopy(self.digests.stage), self.recall_guard
+        before.restore(self)  # the first read is forgotten, what the digests staged of it too
+        self.digests.truncate(self.log.n)
+        recall.bring_back(self, found["bring"])
+        found["recall_ms"] += 1000 * (time.perf_counter() - t)
+        head = self._feed(message, want_logprobs=want_logprobs, tail=gate.TAIL)
+        with_recall = gate.content_nll(self.tail_logprobs, scaffolding)
+        found["recall_gain"] = None if without is None or with_recall is None else without - with_recall
+        if gate.keeps(without, with_recall):
+            self.recall_release = True  # kept through the reply's first compression, then the policy decides
+            return head
+        t = time.perf_counter()
+        after_first.restore(self)
+        self.digests.stage, self.recall_guard = stage, guard
+        found["recall_ms"] += 1000 * (time.perf_counter() - t)
+        found["declined"] = found["recalled"]
+        found.update(recalled=[], recalled_tokens=0, recalled_groups=0, bring=found["bring"][:0])
+        return first
+
     def _feed(self, segments: list[tuple[list[int], int]], want_logprobs: bool = False,
-              continue_message: bool = False, tap: QueryTap | None = None):
+              continue_message: bool = False, tap: QueryTap | None = None, tail: int = 0):
         """Feed tokens ([(ids, message index)]) through the model on top of the cache, compressing as needed.
 
         Returns (last logits, next-token log-probs, top-1 flags); the latter two only with ``want_logprobs``
         (entry j scores token j+1 of the fed sequence). ``tap`` keeps the queries of the tokens that are not the
-        template's scaffolding (role headers, end markers), for recall.
+        template's scaffolding (role headers, end markers), for recall. ``tail``: the log-probabilities of the last
+        ``tail`` tokens (the first token fed has none) are left in ``tail_logprobs`` as (token ids, their
+        log-probabilities), for recall's gate (core/recall/gate.py).
         """
         positions = self.log.append_messages(self.model.tokenizer,
                                              [(ids, m, self.messages[m]["role"]) for ids, m in segments],
@@ -85,37 +112,49 @@ class Feeding:
             special = self.model.scaffolding_ids()
         total = ids.numel()
         logprobs, top1, i, logits = [], [], 0, None
+        tails = []  # (token ids, log-probabilities) of the last ``tail`` tokens, chunk by chunk
         while i < total:
             c = compress.make_room(self, total - i)
             if tap is not None:
                 tap.keep = ~torch.isin(ids[i: i + c], special)
-            logits = self.forward(ids[i: i + c], positions[i: i + c], all_logits=want_logprobs, tap=tap)
+            keep = min(c, max(0, i + c - (total - tail - 1))) if tail else 0  # this chunk's logits in the tail
+            logits = self.forward(ids[i: i + c], positions[i: i + c], all_logits=want_logprobs, tap=tap,
+                                  keep=max(keep, 1))
             if want_logprobs:
                 targets = ids[i + 1: i + c + 1]
                 lp = torch.log_softmax(logits[: targets.numel()].float(), dim=-1).cpu()
                 logprobs.append(lp.gather(1, targets[:, None])[:, 0])
                 top1.append(lp.argmax(-1) == targets)
+            if keep:  # row j of the last ``keep`` logits scores the token after position i + c - keep + j
+                targets = ids[i + c - keep + 1: i + c + 1]
+                lp = torch.log_softmax(logits[-keep:][: targets.numel()].float(), dim=-1).cpu()
+                tails.append((targets, lp.gather(1, targets[:, None])[:, 0]))
             i += c
+        if tail:
+            self.tail_logprobs = (torch.cat([t for t, _ in tails]), torch.cat([lp for _, lp in tails]))
         self.last_logits = logits[-1]
         if want_logprobs:
             return self.last_logits, torch.cat(logprobs), torch.cat(top1)
         return self.last_logits, None, None
 
     def forward(self, ids: torch.Tensor, abs_pos: torch.Tensor, all_logits: bool = False,
-                tap: QueryTap | None = None, at: torch.Tensor | None = None) -> torch.Tensor:
-        """One model forward of ``ids`` (absolute positions ``abs_pos``) on top of the cache; the logits. ``at``:
-        the positions to compute them at instead of the next ones (recall reads old text again at the end of the
-        cache, unobserved)."""
+                tap: QueryTap | None = None, at: torch.Tensor | None = None, keep: int = 1) -> torch.Tensor:
+        """One model forward of ``ids`` (absolute positions ``abs_pos``) on top of the cache; the logits of every
+        position (``all_logits``) or of the last ``keep``. ``at``: the positions to compute them at instead of the
+        next ones (recall reads old text again at the end of the cache, unobserved)."""
         if at is not None:
             pos = at
         elif self.settings.positions == "original":
             pos = abs_pos
         else:
             pos = torch.arange(self.cache.length, self.cache.length + ids.numel())
+        observer = self.observer if at is None else None
+        if ids.numel() == 1 and tap is None and self.model.step is not None:  # a decode step (core/decode)
+            with torch.no_grad():
+                return self.model.step.decode(ids, pos, abs_pos, self.cache, observer)
         device = self.model.device
         self.cache.incoming_abs = abs_pos.to(device=device, dtype=torch.int32)
         self.cache.incoming_pos = pos.to(device=device, dtype=torch.int32)
-        observer = self.observer if at is None else None
         extra = {}
         if observer is not None:
             observer.positions = pos.to(device)
@@ -125,11 +164,9 @@ class Feeding:
             tap.keep = tap.keep.to(device) if tap.keep is not None else None
             extra["kvchat_tap"] = tap
         with torch.no_grad():
-            if ids.numel() == 1 and tap is None and self.model.step is not None:  # a decode step (core/decode)
-                return self.model.step(ids.to(device), pos.to(device), self.cache, observer)
             return self.model.model(input_ids=ids[None].to(device), position_ids=pos[None].to(device),
                                     **{self.model.cache_arg: self.cache}, use_cache=True,
-                                    logits_to_keep=0 if all_logits else 1, **extra).logits[0]
+                                    logits_to_keep=0 if all_logits else keep, **extra).logits[0]
 
     def read_again(self, positions: torch.Tensor) -> None:
         """Read the tokens at ``positions`` (absolute, ascending: evicted text recall brings back) again, computed

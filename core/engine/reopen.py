@@ -23,6 +23,7 @@ import torch
 
 from ...storage import statefile
 from ...storage.legacy import LegacyArchive
+from ..recall.digest import Digests
 from ..cache import compress
 from . import persist
 from .settings import Settings
@@ -89,6 +90,8 @@ def _load_state(session) -> bool:
         window = json.loads(meta.get("digests") or "null")
         if window is not None and persist.open_digests(session) is not None:
             session.digests.restore(*window)
+        if LegacyArchive.present(files.folder):  # moved to the new form, its old files not deleted yet: next commit
+            files.legacy = LegacyArchive(files.folder, model.num_layers)
     if session.observer is not None:
         session.observer.load_state_tensors(tensors, model.device)
     if meta.get("policy") == session.settings.policy and meta.get("policy_state"):
@@ -135,6 +138,8 @@ def _load_legacy(session, tensors: dict[str, torch.Tensor], original: bool) -> N
     session.cache.load_slot_state({k: v for k, v in converted.items() if not k.endswith(".legacy")}, read,
                                   model.rotary, original, model.device, dtype, (kdim, vdim))
     found = old.digests()
+    if (files.folder / "digests").is_dir():  # carried over by an earlier reopening whose turn never committed
+        Digests(files.folder, model.num_layers, model.rotary, session.settings.archive_mb).delete()
     if found is not None and persist.open_digests(session) is not None:
         spans, reps, layers = found
         if layers == session.digests.layers and len(spans):

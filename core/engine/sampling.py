@@ -51,7 +51,12 @@ def logits_processors(sampling: Sampling) -> LogitsProcessorList:
 
 
 class Sampler:
-    """The next-token rule of one reply. ``visible``: the token ids the cache holds as the reply starts."""
+    """The next-token rule of one reply. ``visible``: the token ids the cache holds as the reply starts.
+
+    Logits on the CPU are processed there and drawn with ``torch.multinomial``. Logits on a GPU stay there: the
+    processors run on the device, greedy is one argmax, and a draw is the inverse of the distribution's cumulative
+    sum at one uniform number from the session's generator (``draw``), so only the token id leaves the device and the
+    session's generator (saved with every turn) stays the one source of randomness."""
 
     def __init__(self, sampling: Sampling, generator: torch.Generator, visible: torch.Tensor | None = None):
         self.sampling, self.generator = sampling, generator
@@ -61,13 +66,26 @@ class Sampler:
             1, 0, dtype=torch.long)
 
     def __call__(self, logits: torch.Tensor) -> int:
-        scores = logits.float().cpu()[None]
+        on_device = logits.device.type != "cpu"
+        scores = logits.float()[None] if on_device else logits.float().cpu()[None]
         if self.processors:
+            if self.ids.device != scores.device:
+                self.ids = self.ids.to(scores.device)
             scores = self.processors(self.ids, scores)
         if self.sampling.greedy:
             token = int(torch.argmax(scores[0]))
+        elif on_device:
+            token = draw(torch.softmax(scores[0], dim=-1), float(torch.rand((), generator=self.generator)))
         else:
             token = int(torch.multinomial(torch.softmax(scores[0], dim=-1), 1, generator=self.generator))
         if self.needs_ids:
-            self.ids = torch.cat([self.ids, torch.tensor([[token]])], dim=1)
+            self.ids = torch.cat([self.ids, torch.tensor([[token]], device=self.ids.device)], dim=1)
         return token
+
+
+def draw(probs: torch.Tensor, u: float) -> int:
+    """The token whose share of the cumulative distribution ``probs`` ([vocab], on any device) holds ``u`` in [0, 1):
+    token i with probability probs[i]; one device-to-host copy (the id)."""
+    cdf = probs.cumsum(0)
+    at = torch.searchsorted(cdf, cdf[-1:] * u, right=True)  # u of the total the sums reach: never a zero-share token
+    return int(at.clamp(max=probs.numel() - 1))

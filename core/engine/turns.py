@@ -31,6 +31,9 @@ class TurnResult:
     recalled_groups: int = 0
     recall_ms: float | None = None  # None: recall did not run
     recalled: list[list[int]] = field(default_factory=list)  # [start, end) positions of each recalled group
+    #: what recall read back and gave up again (core/recall/gate.py: the message no more predictable with it)
+    recall_declined: list[list[int]] = field(default_factory=list)
+    recall_gain: float | None = None  # nats per content token of the message the recalled text saved (the gate's)
     archive_bytes: int = 0  # recall's digests on disk after the turn (capped by archive_mb)
     disk_bytes: int | None = None  # everything the conversation keeps beside the database after the turn's commit
     warnings: list[str] = field(default_factory=list)

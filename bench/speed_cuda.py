@@ -1,0 +1,378 @@
+"""Speed on a GPU (``kvchat bench speed --device cuda``): decode ms/token of every policy against the memory-bandwidth
+limit and against transformers beside it, TTFT, peak GPU memory over a long chat.
+
+Models are built from configs with random weights in bf16 (``--shapes``: ``llama-1b``, ``llama-8b``; no large
+weights can be had offline, and a decode step's cost does not depend on their values), or loaded with ``--model
+PATH``. The tokenizer is the default model's (``--tokenizer``: any folder with a tokenizer and a chat template).
+
+For each shape, budget and policy: one session prefills ``budget + slack - 64`` random tokens (so the decode's
+first compression comes early; nothing is evicted before it), then answers a user message with ``--steps`` greedy
+tokens (stop tokens off). A token's time is the wall time from one decode step's start to the next's: the step, the
+sampler's device-to-host copy of the token id, the detokenizer and the engine's bookkeeping, what a chatting user
+waits for. ``ms_per_token`` is the median over steps without a compression; each compression is timed apart
+(``compress_ms``) and amortized over the ``slack`` steps between compressions in a long chat. The roofline divides
+the bytes a step must read — every weight matrix once, and the cache's key and value buffers (budget + slack per
+head), which attention reads whole — by the bandwidth of a device-to-device copy measured in the same run.
+
+Beside them, at the same context length: transformers' ``generate`` with a DynamicCache (SDPA; per token, the time
+for ``--steps`` new tokens less the time for one), and a static cache with the forward compiled by ``torch.compile``
+(``mode="reduce-overhead"``: CUDA graphs) in a loop of its own, ``torch.compiler.cudagraph_mark_step_begin()``
+before each step and the token cloned out of the graph. TTFT: messages of ``--ttft-prompts`` tokens at turns
+``--ttft-turns`` of a chat (``streaming``, the first budget, recall as the defaults have it), whose replies are
+generated (16 tokens each); the peak GPU memory of its turns 100 and ``--replay-turns``.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+from ..core.cache import compress
+from ..core.decode.graph import GraphStep
+from ..core.engine.session import Sampling, Session
+from ..core.engine.settings import Settings
+from ..core.model.loading import ChatModel, default_model_dir, load_model
+from ..policies import POLICIES
+from .common import Run, log
+
+NAME = "speed-cuda"
+TITLE = "Speed on a GPU"
+BUILDS_MODELS = True  # bench/cli.py loads no model for it
+SHAPES = {  # Llama-3.2-1B-like and Llama-3-8B as the issue sets them; tiny: the tests' CPU run of this bench
+    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=8192, vocab_size=49152),
+    "llama-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=14336, vocab_size=128256, rope_theta=500000.0),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=49152),
+}
+GPU_DEFAULTS = {"steps": 256, "ttft_turns": [10, 500], "ttft_prompts": [30, 2000]}
+CHAT_REPLY = 16  # tokens generated per turn of the TTFT chat
+
+
+def build(shape: str, tokenizer_dir: str, device: str, decode: str) -> ChatModel:
+    """A random-weight Llama of ``shape`` in bf16 (fp32 off CUDA), made on the device itself."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=False,
+                         initializer_range=0.02)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return ChatModel.from_pretrained_model(model, tokenizer, name=shape, decode=decode)
+
+
+def bandwidth_gbs(device: str, mb: int = 1024, repeats: int = 10) -> float:
+    """Device memory bandwidth: the best of ``repeats`` copies of a ``mb`` MB tensor, bytes read + written."""
+    src = torch.randn(mb * 2**18, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights one decode step reads: every linear layer's and norm's (one row of the embedding)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding):
+            total += m.weight[0].numel() * m.weight.element_size()
+        elif not list(m.children()):
+            total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    return total
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _random_ids(cm, n: int, seed: int) -> list[int]:
+    special = set(getattr(cm.tokenizer, "all_special_ids", []))
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(100, min(len(cm.tokenizer), cm.model.config.vocab_size), (n * 2,), generator=gen).tolist()
+    return [i for i in ids if i not in special][:n]
+
+
+def timed_reply(session: Session, prompt: str, steps: int, device: str) -> dict:
+    """One reply of exactly ``steps`` tokens: the wall time between consecutive decode steps (median over those
+    without a compression), each compression's time, the TTFT."""
+    starts: list[float] = []
+    squeezes: list[tuple[int, float]] = []  # (decode steps before it, seconds)
+    plain_forward, plain_compress = session.forward, compress.compress
+
+    def forward(ids, *args, **kwargs):
+        if ids.numel() == 1:
+            starts.append(time.perf_counter())
+        return plain_forward(ids, *args, **kwargs)
+
+    def compressing(*args, **kwargs):
+        _sync(device)
+        t = time.perf_counter()
+        try:
+            return plain_compress(*args, **kwargs)
+        finally:
+            _sync(device)
+            squeezes.append((len(starts), time.perf_counter() - t))
+
+    cm = session.model
+    stop_ids, cm.stop_ids = cm.stop_ids, frozenset()
+    session.forward = forward
+    try:
+        with mock.patch.object(compress, "compress", compressing):
+            for _ in session.reply(prompt, max_new_tokens=steps + 1, temperature=0.0):
+                pass
+    finally:
+        cm.stop_ids = stop_ids
+        del session.forward
+    res = session.history[-1]
+    gaps = [b - a for a, b in zip(starts, starts[1: steps])]
+    squeezed = {n for n, _ in squeezes}
+    clean = [g for i, g in enumerate(gaps, 1) if i not in squeezed]
+    decode_squeezes = [s for n, s in squeezes if n >= 1]
+    return {"ms_per_token": 1000 * statistics.median(clean), "ms_mean": 1000 * statistics.mean(gaps),
+            "compress_ms": [1000 * s for s in decode_squeezes], "ttft_ms": res.prefill_ms,
+            "prompt_tokens": res.prompt_tokens, "cache_tokens": session.cache_tokens,
+            "kv_bytes": session.cache.kv_bytes}
+
+
+def policy_cell(cm, policy: str, budget: int, steps: int, device: str) -> dict:
+    settings = Settings(policy=policy, budget=budget) if POLICIES[policy].bounded else Settings(policy="full")
+    slack = Settings(budget=budget).slack_tokens
+    history = budget + slack - 64
+    session = Session(cm, settings, system=None, sampling=Sampling(temperature=0.0))
+    session.feed_raw(_random_ids(cm, history, 1), score=False)
+    step = cm.step
+    before = (step.captures, step.replays, step.eager_calls) if isinstance(step, GraphStep) else None
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    out = timed_reply(session, cm.tokenizer.decode(_random_ids(cm, 24, 2)), steps, device)
+    out.update(policy=policy, budget=budget if POLICIES[policy].bounded else None, history=history, slack=slack)
+    if before is not None:
+        out.update(captures=step.captures - before[0], replays=step.replays - before[1],
+                   eager_steps=step.eager_calls - before[2])
+    if device == "cuda":
+        out["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    squeezes = out["compress_ms"]
+    out["compress_ms_per_token"] = statistics.mean(squeezes) / slack if squeezes else 0.0
+    session.close()
+    return out
+
+
+def transformers_generate_ms(cm, ids: list[int], steps: int, device: str) -> float:
+    """transformers' ``generate`` with a DynamicCache and SDPA: ms per token beyond the first (greedy)."""
+    model = cm.model
+    model.set_attn_implementation("sdpa")
+    x = torch.tensor([ids], device=device)
+    kwargs = dict(do_sample=False, cache_implementation="dynamic", pad_token_id=0)
+    try:
+        with torch.no_grad():
+            model.generate(x, max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm up
+            times = []
+            for n in (1, steps):
+                _sync(device)
+                t = time.perf_counter()
+                model.generate(x, max_new_tokens=n, min_new_tokens=n, **kwargs)
+                _sync(device)
+                times.append(time.perf_counter() - t)
+    finally:
+        model.set_attn_implementation("kvchat")
+    return 1000 * (times[1] - times[0]) / (steps - 1)
+
+
+def transformers_compiled_ms(cm, ids: list[int], steps: int, device: str) -> dict:
+    """A static cache and the forward compiled with CUDA graphs (``mode="reduce-overhead"``), stepped by hand:
+    ms per token (the token's id read back each step, as streaming needs), and the compile's seconds."""
+    from transformers import StaticCache
+
+    model = cm.model
+    model.set_attn_implementation("sdpa")
+    cache = StaticCache(config=model.config, max_cache_len=len(ids) + steps + 8)
+    arg = {cm.cache_arg: cache}
+    compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    try:
+        with torch.no_grad():
+            x = torch.tensor([ids], device=device)
+            out = model(input_ids=x, cache_position=torch.arange(len(ids), device=device), use_cache=True,
+                        logits_to_keep=1, **arg)
+            token = out.logits[:, -1:].argmax(-1)
+            times, t0 = [], time.perf_counter()
+            for i in range(steps + 3):
+                at = torch.tensor([len(ids) + i], device=device)
+                t = time.perf_counter()
+                torch.compiler.cudagraph_mark_step_begin()
+                out = compiled(input_ids=token, position_ids=at[None], cache_position=at, use_cache=True, **arg)
+                token = out.logits[:, -1:].argmax(-1).clone()
+                int(token)
+                times.append(time.perf_counter() - t)
+                if i == 2:
+                    compile_s = time.perf_counter() - t0
+    finally:
+        model.set_attn_implementation("kvchat")
+    return {"ms": 1000 * statistics.median(times[3:]), "compile_s": compile_s}
+
+
+def chat_cell(cm, budget: int, turns: list[int], prompts: list[int], replay_turns: int, device: str) -> dict:
+    """TTFT at turns ``turns`` of a generated chat, and the peak GPU memory of turn 100 and turn ``replay_turns``."""
+    session = Session(cm, Settings(policy="streaming", budget=budget), sampling=Sampling(temperature=0.0))
+    ttft, peaks = [], {}
+    last = max(max(turns), replay_turns)
+    seed = 10
+    while session.turn < last:
+        seed += 1
+        nxt = session.turn + 1
+        if nxt in turns:
+            for n in prompts:
+                res = session.chat(cm.tokenizer.decode(_random_ids(cm, n, seed)), max_new_tokens=1)
+                ttft.append({"turn": session.turn, "prompt_tokens": res.prompt_tokens, "ttft_ms": res.prefill_ms,
+                             "recalled_tokens": res.recalled_tokens, "history_tokens": session.total_tokens})
+                log(f"speed-cuda {cm.name} TTFT turn {session.turn}: {res.prompt_tokens}-token message "
+                    f"{res.prefill_ms:.1f} ms")
+            continue
+        if device == "cuda" and nxt in (100, replay_turns):
+            torch.cuda.reset_peak_memory_stats()
+        session.chat(cm.tokenizer.decode(_random_ids(cm, 24, seed)), max_new_tokens=CHAT_REPLY)
+        if device == "cuda" and nxt in (100, replay_turns):
+            peaks[nxt] = torch.cuda.max_memory_allocated() / 2**20
+    out = {"ttft": ttft, "peak_mb": peaks, "turns": session.turn, "tokens": session.total_tokens}
+    session.close()
+    return out
+
+
+def grid(args, cm, name: str, entry: dict, budget: int, gbs: float, device: str) -> None:
+    """Every policy at ``budget``, then transformers beside them at the same length."""
+    rows, weights = entry["rows"], entry["weight_bytes"]
+    for p in args.policies + ["full"]:
+        if p == "full" and any(r["policy"] == "full" for r in rows):
+            continue  # the full cache does not depend on the budget
+        row = policy_cell(cm, p, budget, args.steps, device)
+        row["roofline_ms"] = 1000 * (weights + row["kv_bytes"]) / (gbs * 1e9)
+        row["roofline_ratio"] = row["ms_per_token"] / row["roofline_ms"]
+        rows.append(row)
+        log(f"speed-cuda {name} budget {budget} {p:10s}: {row['ms_per_token']:.3f} ms/token "
+            f"(x{row['roofline_ratio']:.2f} roofline), mean {row['ms_mean']:.3f}, compressions "
+            f"{', '.join(f'{c:.1f}' for c in row['compress_ms']) or '-'} ms, peak {row.get('peak_mb', 0):.0f} MiB")
+    context = _random_ids(cm, budget + Settings(budget=budget).slack_tokens - 64, 1)
+    references = [("transformers", transformers_generate_ms)]
+    if args.compiled_reference:
+        references.append(("transformers-compiled", transformers_compiled_ms))
+    for label, fn in references:
+        try:
+            got = fn(cm, context, args.steps, device)
+        except Exception as exc:  # noqa: BLE001 — a baseline that fails is reported, not fatal
+            rows.append({"policy": label, "budget": budget, "error": f"{type(exc).__name__}: {exc}"[:300]})
+            log(f"speed-cuda {name} budget {budget} {label}: failed ({type(exc).__name__}: {exc})")
+            continue
+        got = got if isinstance(got, dict) else {"ms": got}
+        rows.append({"policy": label, "budget": budget, "ms_per_token": got.pop("ms"), "context": len(context), **got})
+        log(f"speed-cuda {name} budget {budget} {label}: {rows[-1]['ms_per_token']:.3f} ms/token at {len(context)} "
+            "positions")
+
+
+def _save(run: Run, path: Path | None) -> None:
+    """What is measured so far, in case the run is stopped (a GPU lease's time limit)."""
+    import json
+
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(run.result(), indent=1) + "\n", encoding="utf-8")
+
+
+def run(args, run: Run, cm=None) -> None:
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device is available")
+    gbs = bandwidth_gbs(device)
+    run.rows = {"bandwidth_gbs": [gbs], "shapes": {}, "device": torch.cuda.get_device_name() if device == "cuda"
+                else "cpu"}
+    log(f"speed-cuda: device {run.rows['device']}, copy bandwidth {gbs:.0f} GB/s")
+    models = [(args.model, None)] if args.model != "default" else [(None, s) for s in args.shapes]
+    tokenizer = args.tokenizer or os.environ.get("KVCHAT_TOKENIZER") or str(default_model_dir())
+    out = getattr(args, "out", None)
+    partial = Path(out) / "results" / f"{NAME}.partial.json" if out else None  # bench/cli.py writes the whole
+    built = {}
+    for path, shape in models:  # first every shape's grid, then the chats: the grid matters most in a short lease
+        cm = load_model(path, device=device, decode=args.decode) if path else \
+            build(shape, tokenizer, device, args.decode)
+        name = path or shape
+        built[name] = cm
+        weights = weight_bytes(cm.model)
+        entry = run.rows["shapes"][name] = {"weight_bytes": weights, "rows": [], "step": type(cm.step).__name__}
+        log(f"speed-cuda {name}: {weights / 2**30:.2f} GiB of weights per step, decode step {entry['step']}")
+        for budget in args.budgets:
+            grid(args, cm, name, entry, budget, gbs, device)
+            _save(run, partial)
+    for i, (name, cm) in enumerate(built.items()):
+        turns = args.replay_turns if i == 0 else 0  # the long chat once: its memory is the engine's, not the shape's
+        if args.ttft_turns or turns:
+            run.rows["shapes"][name]["chat"] = chat_cell(cm, args.budgets[0], args.ttft_turns, args.ttft_prompts,
+                                                         turns, device)
+            _save(run, partial)
+    del built, cm
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    gbs_end = bandwidth_gbs(device)
+    run.rows["bandwidth_gbs"].append(gbs_end)
+    checks(run)
+    if partial is not None:
+        partial.unlink(missing_ok=True)
+
+
+def checks(run: Run) -> None:
+    for name, entry in run.rows["shapes"].items():
+        rows = [r for r in entry["rows"] if r["policy"] in POLICIES]
+        served = all(r.get("eager_steps", 0) <= 1 for r in rows if POLICIES[r["policy"]].bounded)
+        run.check(f"{name}: the graph took the steps", served or entry["step"] != "GraphStep",
+                  ", ".join(f"{r['policy']}/{r['budget']}: {r.get('eager_steps')}" for r in rows))
+        peaks = entry.get("chat", {}).get("peak_mb", {})
+        if len(peaks) == 2:
+            a, b = peaks.values()
+            run.check(f"{name}: peak GPU memory flat over the chat", b <= a * 1.02,
+                      f"turn {' vs turn '.join(map(str, peaks))}: {a:.0f} vs {b:.0f} MiB")
+
+
+def markdown(res: dict) -> str:
+    rows = res["results"]
+    lines = [f"Device: {rows['device']}; copy bandwidth {', '.join(f'{g:.0f}' for g in rows['bandwidth_gbs'])} "
+             f"GB/s (start, end).", ""]
+    for name, entry in rows["shapes"].items():
+        lines += [f"**{name}** ({entry['weight_bytes'] / 2**30:.2f} GiB of weights per step, decode step "
+                  f"{entry['step']}):", "",
+                  "| budget | policy | ms/token | tokens/s | × roofline | compression ms (per token) | peak MiB |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for r in entry["rows"]:
+            if "error" in r:
+                lines.append(f"| {r['budget']} | {r['policy']} | failed: {r['error'][:80]} | | | | |")
+                continue
+            ms = r["ms_per_token"]
+            squeeze = (f"{statistics.mean(r['compress_ms']):.1f} ({r['compress_ms_per_token']:.3f})"
+                       if r.get("compress_ms") else "–")
+            lines.append(f"| {r['budget'] or '–'} | {r['policy']} | {ms:.3f} | {1000 / ms:.0f} | "
+                         f"{r['roofline_ratio']:.2f} | {squeeze} | {r.get('peak_mb', 0):.0f} |"
+                         if "roofline_ratio" in r else
+                         f"| {r['budget']} | {r['policy']} | {ms:.3f} | {1000 / ms:.0f} | | | |")
+        chat = entry.get("chat")
+        if chat:
+            lines += ["", "TTFT: " + "; ".join(f"turn {t['turn']}, {t['prompt_tokens']} tokens: {t['ttft_ms']:.1f} ms"
+                                               for t in chat["ttft"]),
+                      "Peak GPU memory of a chat turn: " + ", ".join(f"turn {k}: {v:.0f} MiB"
+                                                                    for k, v in chat["peak_mb"].items())]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(res: dict, plots: Path, plt) -> list[Path]:
+    return []

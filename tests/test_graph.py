@@ -1,0 +1,238 @@
+"""The graph step (core/decode/graph.py): the whole decode step over the cache's fixed-capacity buffers, captured as a
+CUDA graph on a GPU. On the CPU it runs uncaptured, and must give what kvchat's eager step gives for every policy,
+through compressions, budget changes and undo; the tests marked ``cuda`` check the captured graph on a GPU."""
+
+import pytest
+import torch
+
+from kvchat.core.decode import GraphStep, build
+from kvchat.core.decode.eager import DecodeStep
+from kvchat.core.engine.sampling import Sampler, draw
+from kvchat.core.engine.session import Sampling, Session
+from kvchat.core.engine.settings import Settings
+from kvchat.core.model.loading import ChatModel
+from kvchat.policies import POLICIES
+
+from tinymodels import build_tiny
+
+GREEDY = Sampling(max_new_tokens=24, temperature=0.0)
+MESSAGES = ["Hello there. Tell me about the sea!", "And the mountains? Are they tall? Some are.",
+            "What about rivers in the north, and lakes?"]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+
+def _pair(arch, tokenizer, device="cpu", dtype=torch.float32):
+    """The same tiny model twice on ``device``: with kvchat's eager step and with the graph step."""
+    out = []
+    for decode in ("auto", "graph"):
+        model = build_tiny(arch, tokenizer).to(device=device, dtype=dtype)
+        out.append(ChatModel.from_pretrained_model(model, tokenizer, name=f"tiny-{arch}", decode=decode))
+    eager, graph = out
+    assert type(eager.step) in (DecodeStep, GraphStep) and isinstance(graph.step, GraphStep)
+    return eager, graph
+
+
+def _settings(policy):
+    return Settings(policy="full") if not POLICIES[policy].bounded else \
+        Settings(policy=policy, budget=48, window=8, slack=8)
+
+
+def _assert_same_cache(a: Session, b: Session, atol: float) -> None:
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        assert la.lens == lb.lens and la.caps == lb.caps
+        assert torch.equal(la.positions(), lb.positions())
+        torch.testing.assert_close(lb.keys_dense().float(), la.keys_dense().float(), atol=atol, rtol=0)
+        torch.testing.assert_close(lb.padded(lb.values).float(), la.padded(la.values).float(), atol=atol, rtol=0)
+        for name in la.stats:
+            torch.testing.assert_close(lb.padded(lb.stats[name]), la.padded(la.stats[name]), atol=atol, rtol=0)
+        assert torch.equal(la.padded(la.computed), lb.padded(lb.computed))
+        assert torch.equal(la.padded(la.rows), lb.padded(lb.rows))
+    if a.observer is not None:
+        wa, wb = a.observer.state_tensors(), b.observer.state_tensors()
+        assert wa.keys() == wb.keys()
+        for k in wa:
+            torch.testing.assert_close(wb[k].float(), wa[k].float(), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_graph_step_gives_the_eager_steps_replies_and_cache(arch, policy, tokenizer):
+    """Three replies through compressions: the same greedy answers, and the same cache — positions, keys, values,
+    the computed keys' positions, storage rows, the policy's statistics and the observer's query window."""
+    eager, graph = _pair(arch, tokenizer)
+    sessions = [Session(cm, _settings(policy), sampling=GREEDY) for cm in (eager, graph)]
+    for text in MESSAGES:
+        answers = [s.chat(text).answer for s in sessions]
+        assert answers[0] == answers[1]
+    _assert_same_cache(*sessions, atol=1e-5)
+    step = graph.step
+    assert step.replays >= 60 and step.eager_calls <= 2
+    if POLICIES[policy].bounded:
+        assert sessions[1].evicted_total > 0
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv"])
+def test_heads_of_different_capacities(policy, tokenizer):
+    """Per-head budgets (``headaware``'s on a real model): heads of one layer with different capacities and lengths
+    go through the graph's gathered attention and give the eager step's logits, sums and window."""
+    eager, graph = _pair("llama", tokenizer)
+    sessions = [Session(cm, Settings(policy=policy, budget=100), system=None, sampling=GREEDY) for cm in (eager, graph)]
+    torch.manual_seed(2)
+    prompt = torch.randint(10, 1000, (30,)).tolist()
+    for s in sessions:
+        s.feed_raw(prompt, score=False)
+        for layer in s.cache.layers:  # head 0 forgets its first 7 positions and gets fewer slots than head 1
+            layer.keep([torch.arange(7, 30), torch.arange(30)], caps=[40, 56])
+        assert not s.cache.layers[0].uniform_caps
+    idx = len(sessions[0].messages) - 1
+    token = 5
+    for _ in range(9):
+        logits = [s._feed([([token], idx)], continue_message=True)[0] for s in sessions]
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
+        token = int(logits[0].argmax())
+    assert graph.step.replays == 9 and graph.step.eager_calls == 0
+    assert sessions[1].cache.layers[1].lens == [32, 39]
+    _assert_same_cache(*sessions, atol=1e-5)
+
+
+def test_a_budget_larger_than_the_chat_gives_the_full_caches_tokens(tokenizer):
+    """streaming at a budget the chat never reaches, on the graph step: the full cache's greedy replies (eager)."""
+    eager, graph = _pair("llama", tokenizer)
+    full = Session(eager, Settings(policy="full"), sampling=GREEDY)
+    bounded = Session(graph, Settings(policy="streaming", budget=400), sampling=GREEDY)
+    for text in MESSAGES:
+        assert bounded.chat(text).answer == full.chat(text).answer
+    assert bounded.evicted_total == 0 and graph.step.replays >= 60
+
+
+def test_compression_keeps_the_plan_and_a_budget_change_makes_a_new_one(tokenizer):
+    """A compression writes the kept slots back into the same buffers: the step's plan (its graph on a GPU) stays;
+    a budget change allocates new buffers and the next step plans (captures) again."""
+    _, graph = _pair("llama", tokenizer)
+    session = Session(graph, Settings(policy="h2o", budget=48, window=8, slack=8), sampling=GREEDY)
+    session.chat(MESSAGES[0])
+    plan = graph.step._plans[session.cache]
+    before = session.evicted_total
+    session.chat(MESSAGES[1])
+    assert session.evicted_total > before and graph.step._plans[session.cache] is plan
+    session.configure(budget=64)
+    session.chat(MESSAGES[2])
+    assert graph.step._plans[session.cache] is not plan
+
+
+def test_undo_after_graph_steps_gives_the_same_next_reply(tokenizer):
+    eager, graph = _pair("llama", tokenizer)
+    answers = []
+    for cm in (eager, graph):
+        session = Session(cm, Settings(policy="snapkv", budget=48, window=8, slack=8), sampling=GREEDY, undo=True)
+        session.chat(MESSAGES[0])
+        first = session.chat(MESSAGES[1]).answer
+        session.undo()
+        assert session.chat(MESSAGES[1]).answer == first
+        answers.append(first)
+    assert answers[0] == answers[1]
+
+
+def test_graph_is_the_default_step_only_on_cuda(tokenizer):
+    model = build_tiny("llama", tokenizer)
+    assert not isinstance(build(model, "auto"), GraphStep)
+    assert isinstance(build(model, "graph"), GraphStep)
+    gpt2 = build_tiny("gpt2", tokenizer)
+    assert build(gpt2, "graph") is None  # not a Llama-family decoder: the model's forward
+
+
+def test_draw_samples_each_token_with_its_probability():
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(4)
+    for _ in range(4000):
+        counts[draw(probs, float(torch.rand((), generator=gen)))] += 1
+    assert counts[1] == 0
+    torch.testing.assert_close(counts / 4000, probs, atol=0.03, rtol=0)
+    assert draw(probs, 0.0) == 0 and draw(probs, 0.0999) == 0 and draw(probs, 0.1001) == 2 and draw(probs, 0.9999) == 3
+
+
+# -- on a GPU -------------------------------------------------------------------------------------------------------
+BF16 = 3e-2  # tiny models' logits and kept tensors in bf16: the graph's fp32 attention against SDPA's
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_captured_graph_gives_the_eager_steps_logits(policy, tokenizer):
+    """bf16 on the GPU, every policy: the captured step's logits within bf16 tolerance of kvchat's eager step on the
+    same cache, step by step through compressions; the graph replays every step."""
+    eager, graph = _pair("llama", tokenizer, device="cuda", dtype=torch.bfloat16)
+    assert isinstance(eager.step, GraphStep)  # auto on CUDA: the graph
+    eager.step = DecodeStep(eager.model)
+    sessions = [Session(cm, _settings(policy), system=None, sampling=GREEDY) for cm in (eager, graph)]
+    torch.manual_seed(1)
+    prompt = torch.randint(10, 1000, (40,)).tolist()
+    for s in sessions:
+        s.feed_raw(prompt, score=False)
+    idx = len(sessions[0].messages) - 1
+    token = int(sessions[0].last_logits.argmax())
+    for _ in range(40):
+        logits = [s._feed([([token], idx)], continue_message=True)[0] for s in sessions]
+        torch.testing.assert_close(logits[1].float(), logits[0].float(), atol=BF16, rtol=BF16)
+        token = int(logits[0].argmax())
+    step = graph.step
+    assert step.captures >= 1 and step.replays == 40 and step.eager_calls == 0
+    if POLICIES[policy].bounded:
+        assert sessions[1].evicted_total > 0
+        assert step.captures <= (1 if policy not in ("cake", "headaware") else 20)
+
+
+@cuda
+@pytest.mark.cuda
+def test_captured_graph_budget_larger_than_the_chat_gives_the_full_caches_tokens(tokenizer):
+    eager, graph = _pair("llama", tokenizer, device="cuda", dtype=torch.bfloat16)
+    eager.step = DecodeStep(eager.model)
+    full = Session(eager, Settings(policy="full"), sampling=GREEDY)
+    bounded = Session(graph, Settings(policy="streaming", budget=400), sampling=GREEDY)
+    for text in MESSAGES:
+        assert bounded.chat(text).answer == full.chat(text).answer
+    assert graph.step.captures == 1
+
+
+@cuda
+@pytest.mark.cuda
+def test_captured_graph_survives_compressions_and_recaptures_on_a_budget_change(tokenizer):
+    _, graph = _pair("llama", tokenizer, device="cuda", dtype=torch.bfloat16)
+    session = Session(graph, Settings(policy="h2o", budget=48, window=8, slack=8), sampling=GREEDY)
+    session.chat(MESSAGES[0])
+    session.chat(MESSAGES[1])
+    assert session.evicted_total > 0 and graph.step.captures == 1
+    session.configure(budget=64)
+    session.chat(MESSAGES[2])
+    assert graph.step.captures == 2
+
+
+@cuda
+@pytest.mark.cuda
+def test_sampler_on_the_gpu_reads_back_only_the_token(tokenizer):
+    logits = torch.randn(1000, device="cuda")
+    gen = torch.Generator().manual_seed(3)
+    tokens = [Sampler(Sampling(temperature=0.7, top_p=0.9, top_k=50), gen)(logits) for _ in range(200)]
+    assert all(0 <= t < 1000 for t in tokens) and len(set(tokens)) > 1
+    assert Sampler(Sampling(temperature=0.0), gen)(logits) == int(logits.argmax())
+
+
+@cuda
+@pytest.mark.cuda
+def test_prefill_on_top_of_the_cache_on_the_gpu_is_the_models(tokenizer):
+    """A message read on top of the cache (SDPA's lower-right causal bias: flash where it applies) gives the logits
+    of the model reading the whole text at once with transformers' SDPA."""
+    _, graph = _pair("llama", tokenizer, device="cuda", dtype=torch.bfloat16)
+    session = Session(graph, Settings(policy="full"), system=None, sampling=GREEDY)
+    torch.manual_seed(4)
+    ids = torch.randint(10, 1000, (70,)).tolist()
+    session.feed_raw(ids[:40], score=False)
+    session.feed_raw(ids[40:], score=False)
+    graph.model.set_attn_implementation("sdpa")
+    try:
+        with torch.no_grad():
+            whole = graph.model(input_ids=torch.tensor([ids], device="cuda"), logits_to_keep=1).logits[0, -1]
+    finally:
+        graph.model.set_attn_implementation("kvchat")
+    torch.testing.assert_close(session.last_logits.float(), whole.float(), atol=BF16, rtol=BF16)
