@@ -41,21 +41,24 @@ class Feeding:
             # recalled text before it, as it was when that text was still cached; the recalled text stays only if
             # it makes the message markedly more predictable (``_read_with``, core/recall/gate.py).
             tap = QueryTap(self.digests.layers)
-            # Room for the message first, as reading it would make (a message longer than the slack is read in
-            # pieces with compressions between: the whole cache is copied to forget that read).
-            compress.make_room(self, len(segments[0][0]))
+            # Room for the message's first chunk, as feeding the message and its answer at once would make (the
+            # message and the answer are read in the chunks and with the compressions of that: recall on or off,
+            # the same cache when nothing comes back). A message that fits is forgotten by a mark; one read in
+            # pieces with compressions between, by a copy of the whole cache.
+            rest = sum(len(ids) for ids, _ in segments[1:])
+            compress.make_room(self, len(segments[0][0]) + rest)
             t = time.perf_counter()
             before = ReadMark.capture(self, len(segments[0][0])) or Checkpoint.capture(self)
             marking = 1000 * (time.perf_counter() - t)
-            head = self._feed(segments[:1], want_logprobs=want_logprobs, tap=tap, tail=gate.TAIL)
+            head = self._feed(segments[:1], want_logprobs=want_logprobs, tap=tap, tail=gate.TAIL, more=rest)
             found = recall.plan(self, tap)
             found["recall_ms"] += marking  # what recall adds to every message: the mark, the scoring, the put-back
             if found["recalled"]:
-                head = self._read_with(segments[:1], want_logprobs, before, found, head)
+                head = self._read_with(segments[:1], want_logprobs, before, found, head, rest)
             for key in ("recalled_tokens", "recalled_groups", "recalled", "recall_ms"):
                 setattr(res, key, found[key])
             res.recall_declined, res.recall_gain = found.get("declined", []), found.get("recall_gain")
-            out = self._feed(segments[1:], want_logprobs=want_logprobs)
+            out = self._feed(segments[1:], want_logprobs=want_logprobs, first=self.carry)
             if want_logprobs:  # one sequence of scores, as if fed at once: the boundary token scored by head's logits
                 nxt = segments[1][0][0]
                 lp = torch.log_softmax(head[0].float().cpu(), -1)[nxt]
@@ -67,7 +70,7 @@ class Feeding:
         res.prompt_tokens = sum(len(ids) for ids, _ in segments)
         return out
 
-    def _read_with(self, message, want_logprobs: bool, before, found: dict, first):
+    def _read_with(self, message, want_logprobs: bool, before, found: dict, first, rest: int):
         """Read ``message`` again with the text ``found`` recalled before it; keep that read if the recalled text
         makes the message markedly more predictable (core/recall/gate.py), else go back to the first read
         (``first``: its ``_feed`` result). Returns the read kept; ``found`` says what stayed."""
@@ -75,12 +78,12 @@ class Feeding:
         scaffolding = self.model.scaffolding_ids()
         without = gate.content_nll(self.tail_logprobs, scaffolding)
         after_first = Checkpoint.capture(self)  # the message read without recall: kept if recall does not help
-        stage, guard = copy.deepcopy(self.digests.stage), self.recall_guard
+        stage, guard, carry = copy.deepcopy(self.digests.stage), self.recall_guard, self.carry
         before.restore(self)  # the first read is forgotten, what the digests staged of it too
         self.digests.truncate(self.log.n)
         recall.bring_back(self, found["bring"])
         found["recall_ms"] += 1000 * (time.perf_counter() - t)
-        head = self._feed(message, want_logprobs=want_logprobs, tail=gate.TAIL)
+        head = self._feed(message, want_logprobs=want_logprobs, tail=gate.TAIL, more=rest)
         with_recall = gate.content_nll(self.tail_logprobs, scaffolding)
         found["recall_gain"] = None if without is None or with_recall is None else without - with_recall
         if gate.keeps(without, with_recall):
@@ -88,21 +91,25 @@ class Feeding:
             return head
         t = time.perf_counter()
         after_first.restore(self)
-        self.digests.stage, self.recall_guard = stage, guard
+        self.digests.stage, self.recall_guard, self.carry = stage, guard, carry
         found["recall_ms"] += 1000 * (time.perf_counter() - t)
         found["declined"] = found["recalled"]
         found.update(recalled=[], recalled_tokens=0, recalled_groups=0, bring=found["bring"][:0])
         return first
 
     def _feed(self, segments: list[tuple[list[int], int]], want_logprobs: bool = False,
-              continue_message: bool = False, tap: QueryTap | None = None, tail: int = 0):
+              continue_message: bool = False, tap: QueryTap | None = None, tail: int = 0, more: int = 0,
+              first: int = 0):
         """Feed tokens ([(ids, message index)]) through the model on top of the cache, compressing as needed.
 
         Returns (last logits, next-token log-probs, top-1 flags); the latter two only with ``want_logprobs``
         (entry j scores token j+1 of the fed sequence). ``tap`` keeps the queries of the tokens that are not the
         template's scaffolding (role headers, end markers), for recall. ``tail``: the log-probabilities of the last
         ``tail`` tokens (the first token fed has none) are left in ``tail_logprobs`` as (token ids, their
-        log-probabilities), for recall's gate (core/recall/gate.py).
+        log-probabilities), for recall's gate (core/recall/gate.py). ``more``: tokens that follow in the same
+        turn (recall reads a user message before what answers it): the chunks and compressions are those of
+        feeding both at once, the part of the last chunk past these tokens left in ``carry`` for the next call's
+        ``first`` chunk, whose room was made.
         """
         positions = self.log.append_messages(self.model.tokenizer,
                                              [(ids, m, self.messages[m]["role"]) for ids, m in segments],
@@ -113,8 +120,10 @@ class Feeding:
         total = ids.numel()
         logprobs, top1, i, logits = [], [], 0, None
         tails = []  # (token ids, log-probabilities) of the last ``tail`` tokens, chunk by chunk
+        planned = 0
         while i < total:
-            c = compress.make_room(self, total - i)
+            planned = min(first, total) if i == 0 and first else compress.make_room(self, total - i + more)
+            c = min(planned, total - i)
             if tap is not None:
                 tap.keep = ~torch.isin(ids[i: i + c], special)
             keep = min(c, max(0, i + c - (total - tail - 1))) if tail else 0  # this chunk's logits in the tail
@@ -132,6 +141,7 @@ class Feeding:
             i += c
         if tail:
             self.tail_logprobs = (torch.cat([t for t, _ in tails]), torch.cat([lp for _, lp in tails]))
+        self.carry = max(planned - c, 0) if more else 0
         self.last_logits = logits[-1]
         if want_logprobs:
             return self.last_logits, torch.cat(logprobs), torch.cat(top1)

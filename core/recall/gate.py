@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 TAIL = 32  # the message's last tokens whose likelihood the gate compares
-GAIN = 0.5  # nats per content token the recalled text must save the message for it to stay
+GAIN = 0.3  # nats per content token the recalled text must save the message for it to stay
 
 
 def content_nll(tail: tuple[torch.Tensor, torch.Tensor], scaffolding: torch.Tensor) -> float | None:
