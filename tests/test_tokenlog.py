@@ -67,3 +67,20 @@ def test_empty_and_start_past_the_end(name):
     rows, _ = _rows(random.Random(2), 0, 0, 0, 5)
     log.append(rows)
     assert log.column(name, 9).numel() == 0
+
+
+def test_streamed_text_is_the_whole_decode(tokenizer):
+    """The detokenizer decodes a short window per token, and what it streams adds up to decoding the reply at once,
+    characters split over tokens (accents, CJK, emoji) and random token sequences included."""
+    import random
+
+    from kvchat.core.engine.tokens import Detokenizer
+
+    rng = random.Random(0)
+    text = "Hello wörld — ça va? 日本語のテキスト 🙂🙂 and\nnew lines   spaced, 12345."
+    sequences = [tokenizer(text, add_special_tokens=False)["input_ids"]]
+    sequences += [[rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 60))] for _ in range(100)]
+    for ids in sequences:
+        detok = Detokenizer(tokenizer)
+        streamed = "".join(detok.push(i) for i in ids)
+        assert streamed == tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")

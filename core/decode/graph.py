@@ -171,7 +171,7 @@ class GraphStep(DecodeStep):
             if plan.graph is None:
                 self._record(plan, cache)
             plan.graph.replay()
-            logits = plan.logits
+            logits = plan.logits.clone()  # the graph's output buffer is written again by the next replay
         else:
             logits = self._body(plan, cache)
         self.replays += 1
@@ -182,7 +182,7 @@ class GraphStep(DecodeStep):
         if ring is not None:
             ring.total += 1
             observer.ring_written(ring)
-        return logits.clone()
+        return logits
 
     def _plan(self, cache, observer, key) -> _Plan:
         dev = self.device

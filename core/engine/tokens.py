@@ -46,20 +46,26 @@ def encode_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int
 
 
 class Detokenizer:
-    """Incremental detokenization: emits text only once it no longer ends in a partial character."""
+    """Incremental detokenization: emits text only once it no longer ends in a partial character. Each token decodes
+    a short window, not the whole reply (the window starts at the tokens before the last emitted text, so that
+    spaces and characters spanning tokens come out as the whole decode has them): the cost per token stays flat
+    however long the reply."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.emitted = 0
+        self.prefix = 0  # the window's first token
+        self.read = 0  # the tokens whose text was emitted
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix: self.read], skip_special_tokens=True)
+        text = decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if len(text) <= len(before) or text.endswith("\ufffd"):
             return ""
-        delta, self.emitted = text[self.emitted :], len(text)
-        return delta
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
 
 
 class _Grown:
