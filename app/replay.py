@@ -255,7 +255,8 @@ def stored_prefix(script: Script, store, conversation_id: int, default_system: s
 
 TURN_FIELDS = ("turn", "role", "prompt_tokens", "new_tokens", "cache_tokens", "cache_bytes", "peak_cache_tokens",
                "evicted_tokens", "evicted_groups", "prefill_ms", "decode_ms_per_token", "stopped", "answer",
-               "expect", "hit", "expect_nll", "recalled_tokens", "recalled_groups", "recall_ms")
+               "expect", "hit", "expect_nll", "recalled_tokens", "recalled_groups", "recall_ms", "recall_gain",
+               "recall_declined")
 
 
 class Summary:
@@ -286,6 +287,7 @@ class Summary:
             "mean_expect_nll": sum(nlls) / len(nlls) if nlls else None,
             "recalled_tokens": sum(r.recalled_tokens or 0 for r in rs),
             "recalled_groups": sum(r.recalled_groups or 0 for r in rs),
+            "recall_declined_groups": sum(len(r.recall_declined) for r in rs),
             "mean_recall_ms": (sum(ms) / len(ms)) if (ms := [r.recall_ms for r in rs if r.recall_ms is not None])
             else None,
             "wall_s": round(time.perf_counter() - self.start, 3),

@@ -41,7 +41,7 @@ SCHEMA: dict[str, tuple[dict, list]] = {
         "evicted_tokens": int, "evicted_groups": int, "prefill_ms": float, "decode_ms_per_token": float,
         "stopped": str, "expect": str, "hit": int, "expect_nll": float, "warnings": str, "created_at": str,
         "recalled_tokens": int, "recalled_groups": int, "recall_ms": float, "recalled": str,
-        "archive_bytes": int, "disk_bytes": int,
+        "recall_declined": str, "recall_gain": float, "archive_bytes": int, "disk_bytes": int,
     }, [("conversation_id", "turn")]),
     "eviction_events": ({
         "id": int, "conversation_id": int, "turn": int, "reason": str, "before": int, "after": int,
@@ -51,7 +51,7 @@ SCHEMA: dict[str, tuple[dict, list]] = {
         "id": int, "conversation_id": int, "turn": int, "changes": str, "settings": str, "created_at": str,
     }, [("conversation_id", "turn")]),
 }
-JSON_FIELDS = {"settings", "kept", "tokens", "warnings", "changes", "recalled"}
+JSON_FIELDS = {"settings", "kept", "tokens", "warnings", "changes", "recalled", "recall_declined"}
 STAT_FIELDS = [c for c in SCHEMA["turn_stats"][0] if c not in ("id", "conversation_id")]
 
 

@@ -13,6 +13,9 @@ A decode step on the CPU (one query token, fp32) runs as two batched products an
 accumulated attention then costs no second pass over the keys (170 against 282 us per layer of 1,068 positions,
 docs/speed.md). Every policy and the full cache take the same path, so equivalences between them stay exact.
 
+On a GPU, a prefill on top of the cache (q queries, the last of n keys) runs through SDPA with its lower-right
+causal bias: flash or memory-efficient kernels, no [q, n] mask in memory (docs/gpu.md).
+
 When the engine passes ``kvchat_observer`` (transformers forwards extra keyword arguments of the model's forward
 down to the attention function), the observer receives the layer's query and key states and records the attention
 statistics the running policy asked for (``core/cache/observe.py``) — no eager attention, no N x N matrix kept. Policies

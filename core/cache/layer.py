@@ -52,6 +52,7 @@ class KVLayer(CacheLayerMixin):
         self.pos_off: list[int] = []  # rerotate mode: slot i of head h sits at position pos_off[h] + i
         self.stats: dict[str, torch.Tensor] = {}  # per-slot statistics, one float per slot (e.g. "acc")
         self.abs_pos = self.computed = self.rows = self.k0 = None
+        self.version = 0  # counts new buffers (``_allocate``, a new statistic): a graph captured over them is stale
 
     # -- transformers' layer interface ------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -194,6 +195,7 @@ class KVLayer(CacheLayerMixin):
         return out
 
     def _allocate(self, caps: list[int]) -> None:
+        self.version += 1
         kdim, vdim = self._dims
         total = sum(caps)
         self.caps = list(caps)
@@ -225,8 +227,8 @@ class KVLayer(CacheLayerMixin):
 
     def ensure_stat(self, name: str) -> torch.Tensor:
         """A per-slot float statistic (zeros for slots that held nothing yet)."""
-        if name not in self.stats:
-            self.stats[name] = torch.zeros(self.keys.shape[0], device=self.device)
+        if name not in self.stats or self.stats[name].numel() != self.keys.shape[0]:
+            self.stats[name], self.version = torch.zeros(self.keys.shape[0], device=self.device), self.version + 1
         return self.stats[name]
 
     def split(self) -> tuple[RaggedKV, RaggedKV]:

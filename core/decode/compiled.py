@@ -114,7 +114,7 @@ class CompiledStep(DecodeStep):
     dispatch one by one in the eager step. Attention runs over each layer's whole preallocated buffer with the slots
     past the new token masked, so the graph's shapes stay the same while the cache's capacity does (every bounded
     policy between compressions). After the graph, each cache layer records what ``update`` would have
-    (``KVLayer.appended``: positions, statistics, the archive) and the observer gets the queries and probabilities,
+    (``KVLayer.appended``: positions, statistics, the computed keys) and the observer gets the queries and probabilities,
     as in the eager step. Attention's two products and the products with the fp16 weights are kvchat's operators
     (core/ops/kernels.py: each streams its buffer once, where ``torch.bmm`` reads the cache at half the rate for this
     shape), built at the first compile, and for Llama-family layers as released everything after a layer's cache

@@ -27,7 +27,7 @@ one token, in one of two ways:
   and attention function, as the model's forward calls them.
 
 Either way the cache layer records what ``update`` records and the policy's observer sees what it always sees, so
-policies, statistics and the archive are the same. It serves decoder layers whose forward is Llama's (``SUPPORTED``:
+policies and statistics are the same. It serves decoder layers whose forward is Llama's (``SUPPORTED``:
 Llama, Mistral, Qwen2 — Qwen2's q/k/v biases included); other architectures, reads of several tokens, recall's query
 tap and models dispatched by accelerate hooks run through the model's forward. ``--decode model`` turns it off.
 tests/test_step.py compares it with the model's forward for each supported family: without the operators the same

@@ -144,9 +144,9 @@ class GraphStep(DecodeStep):
             return self._replay(int(ids[0]), int(pos[0]), int(abs_pos[0]), cache, observer)
 
     def _key(self, cache, observer) -> tuple:
-        layers = tuple((layer.keys.data_ptr(), layer.values.data_ptr(), layer.abs_pos.data_ptr(),
-                        tuple(layer.caps), tuple(sorted((n, t.data_ptr()) for n, t in layer.stats.items())))
-                       for layer in cache.layers)
+        """What a plan's graph was captured over: each layer's buffers (``KVLayer.version``) and what the observer
+        reads."""
+        layers = tuple(layer.version for layer in cache.layers)
         watch = (observer.accumulate, observer.window) if observer is not None else None
         return layers, watch
 

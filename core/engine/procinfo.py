@@ -14,13 +14,11 @@ _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
 
 def tune_malloc() -> bool:
     """Keep blocks of up to 32 MiB in the heap, and up to 256 MiB of freed heap in the process, instead of mapping
-    each large block fresh and giving it back when freed: recall's put-back and a compression's rebuild allocate
-    temporaries of a few MiB (every kept key read from the archive, then rotated), and each fresh mapping is paid
-    again in page faults. Measured on this project's machine (h2o at budget 512, 14 put-backs of a recall per run,
-    paired runs): the archive read 5.8-6.9 -> 3.9-4.5 ms and the rotation 9.4-17.6 -> 5.3-6.5 ms in each of three
-    pairs; the whole put-back's median was lower in three pairs of four (41.2, 41.7, 44.3 -> 32.5, 35.3, 36.2 ms) and
-    higher in one (32.7 -> 40.0); the peak RSS stayed within 30 MB (1,472-1,491 -> 1,492-1,502 MB) and 39-48 MB
-    more stayed resident after it. glibc only (elsewhere nothing is changed); returns whether it applied."""
+    each large block fresh and giving it back when freed: compressions and recall's put-back allocate temporaries of
+    a few MiB (the kept keys gathered and rotated), and each fresh mapping is paid again in page faults. Measured on
+    this project's machine when the put-back still read an archive of every token (h2o at budget 512, 14 put-backs
+    per run, paired runs): its rotation 9.4-17.6 -> 5.3-6.5 ms in each of three pairs, the peak RSS within 30 MB.
+    glibc only (elsewhere nothing is changed); returns whether it applied."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name) if name else None

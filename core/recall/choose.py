@@ -1,11 +1,12 @@
 """Choosing what comes back, and putting it back.
 
-The best groups the cache has (mostly) evicted are chosen (``choose``) and ``compress.compress(..., bring=...)``
-puts them back into every layer and head, displacing the running policy's lowest-scored tokens: kept and recalled
-keys alike are the archived keys rotated once to their place in conversation order, so the cache stays a pure
-function of the archive and its slot state (and resumes exactly). They are protected while the message is read
-again and through the reply's first compression (``bring_back``); then the running policy keeps them as long as it
-scores them high enough.
+The best groups the cache has (mostly) evicted are chosen (``choose``) and put back into every layer and head
+(``bring_back``): a compression makes room for them (the running policy's lowest-scored tokens go), they are read
+again from their token ids after the cache's last slots, and every head's slots go back into conversation order,
+each key rotated once from where it was computed (so the cache stays a function of its slots' computed keys and
+positions, and resumes exactly). They are protected while the message is read again and through the reply's first
+compression; then the running policy keeps them as long as it scores them high enough. Whether they stay at all is
+the gate's (core/recall/gate.py).
 """
 
 from __future__ import annotations
