@@ -24,7 +24,7 @@ class CapacityError(RuntimeError):
 @dataclass
 class Entry:
     session: Session
-    rss_mb: dict[int, float] = field(default_factory=dict)  # turn -> process RSS after it
+    rss_mb: dict[int, float] = field(default_factory=dict)  # turn -> memory after it (GPU allocated on CUDA, else RSS)
     busy: bool = False  # a reply is streaming
     stopping: bool = False  # Stop was pressed while it streams
 

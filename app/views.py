@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from ..core.engine.session import Session
+from ..core.engine.session import Session, memory_mb
 from ..policies import POLICIES
 from ..storage.db import Store
 
@@ -46,8 +46,9 @@ def _bounded(policy: str) -> bool:
 
 
 def charts(session: Session, store: Store, rss: dict[int, float], per_position: int, live: Live | None = None):
-    """The cache over the conversation: tokens and bytes against the budget, evictions, decode speed, process
-    memory, per-layer budgets; a dashed marker where settings changed."""
+    """The cache over the conversation: tokens and bytes against the budget, what the stored conversation keeps on
+    disk (recall's archive among it), evictions, decode speed, memory (the GPU's allocated on CUDA, else the
+    process's RSS), per-layer budgets; a dashed marker where settings changed."""
     rows = store.turn_stats(session.conversation_id) if session.conversation_id is not None else []
     changes = store.settings_changes(session.conversation_id) if session.conversation_id is not None else []
     rows = [r for r in rows if r["role"] != "system"]
@@ -56,6 +57,8 @@ def charts(session: Session, store: Store, rss: dict[int, float], per_position: 
     caps = [r["settings"]["budget"] + r["settings"]["slack"] if _bounded(r["policy"]) else None for r in rows]
     tokens = [r["cache_tokens"] for r in rows]
     mbytes = [r["cache_bytes"] / MB for r in rows]
+    disk = [r["disk_bytes"] / MB if r.get("disk_bytes") is not None else None for r in rows]
+    archive = [(r.get("archive_bytes") or 0) / MB for r in rows]
     speed = [1000 / r["decode_ms_per_token"] if r["decode_ms_per_token"] else None for r in rows]
     evicted = [r["evicted_tokens"] for r in rows]
     recalled = [r.get("recalled_tokens") or 0 for r in rows]
@@ -70,8 +73,8 @@ def charts(session: Session, store: Store, rss: dict[int, float], per_position: 
         rss_turns, rss_vals = rss_turns + [live.turn], rss_vals + [live.rss_mb]
 
     fig = make_subplots(rows=2, cols=3, horizontal_spacing=0.07, vertical_spacing=0.16, subplot_titles=(
-        "cache (positions per layer)", "cache memory (MB)", "evicted / recalled tokens per turn",
-        "decode speed (tokens/s)", "process memory (RSS, MB)", "positions held per layer now"))
+        "cache (positions per layer)", "cache memory and disk (MB)", "evicted / recalled tokens per turn",
+        "decode speed (tokens/s)", memory_mb(session.model.device)[0], "positions held per layer now"))
     line = dict(mode="lines+markers", marker=dict(size=5))
     fig.add_trace(go.Scatter(x=turns, y=tokens, name="cache", line=dict(color="#1f77b4"), **line), 1, 1)
     fig.add_trace(go.Scatter(x=turns, y=budgets, name="budget", mode="lines+markers", marker=dict(size=3),
@@ -83,6 +86,12 @@ def charts(session: Session, store: Store, rss: dict[int, float], per_position: 
     fig.add_trace(go.Scatter(x=turns, y=[c * per_position / MB if c else None for c in caps], name="budget MB",
                              mode="lines+markers", marker=dict(size=3), line=dict(color="#ff9896", dash="dot", shape="hv"), showlegend=False),
                   1, 2)
+    if any(d is not None for d in disk):  # what the stored conversation keeps beside the database, recall's included
+        fig.add_trace(go.Scatter(x=[r["turn"] for r in rows], y=disk, name="on disk MB", mode="lines",
+                                 line=dict(color="#8c564b", dash="dash"), showlegend=False), 1, 2)
+    if any(archive):
+        fig.add_trace(go.Scatter(x=[r["turn"] for r in rows], y=archive, name="recall archive MB", mode="lines",
+                                 line=dict(color="#2ca02c", dash="dot"), showlegend=False), 1, 2)
     fig.add_trace(go.Bar(x=[r["turn"] for r in rows], y=evicted, name="evicted", marker_color="#7f7f7f",
                          showlegend=False), 1, 3)
     if any(recalled):

@@ -19,7 +19,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # a local tool: no c
 
 import gradio as gr  # noqa: E402
 
-from ..core.engine.session import ContextFullError, rss_mb  # noqa: E402
+from ..core.engine.session import ContextFullError, memory_mb  # noqa: E402
 from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS  # noqa: E402
 from ..policies import POLICIES, declared_params, policy_class  # noqa: E402
 from .args import parse_setting  # noqa: E402
@@ -161,7 +161,7 @@ class WebApp(Layout):
                     last_chart = now
                     cache = s.cache_now()
                     live = Live(cache["turn"], cache["cache_tokens"], cache["cache_bytes"], n / max(now - t0, 1e-6),
-                                rss_mb())
+                                memory_mb(s.model.device)[1])
                     chart = self._charts(entry, live)
                 yield [before + [{"role": "assistant", "content": answer + " ▌"}], gr.skip(), chart] + [gr.skip()] * 5
         except (*USER_ERRORS, OSError) as exc:  # the turn could not be written (database locked, disk full)
@@ -177,7 +177,7 @@ class WebApp(Layout):
                    gr.skip(), _error(text), self._info(key, entry)]
             return
         res = s.history[-1]
-        entry.rss_mb[res.turn] = rss_mb()
+        entry.rss_mb[res.turn] = memory_mb(s.model.device)[1]
         speed = f", {1000 / res.decode_ms_per_token:.1f} tokens/s" if res.decode_ms_per_token else ""
         status = (f"reply: {res.new_tokens} tokens{speed}, prompt {res.prompt_tokens} tokens in {res.prefill_ms:.0f} ms"
                   f"; {res.evicted_tokens} evicted"

@@ -54,8 +54,7 @@ def _assert_same_cache(a: Session, b: Session, atol: float) -> None:
             torch.testing.assert_close(wb[k].float(), wa[k].float(), atol=atol, rtol=0)
 
 
-@pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch, policy", [("llama", p) for p in POLICIES] + [("qwen2", "h2o"), ("qwen2", "snapkv")])
 def test_graph_step_gives_the_eager_steps_replies_and_cache(arch, policy, tokenizer):
     """Three replies through compressions: the same greedy answers, and the same cache — positions, keys, values,
     the computed keys' positions, storage rows, the policy's statistics and the observer's query window."""

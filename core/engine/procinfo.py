@@ -35,6 +35,17 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def memory_mb(device) -> tuple[str, float]:
+    """The memory a session's chart shows: on a GPU what torch has allocated on it (the model, every session's
+    cache), elsewhere the process's resident memory; (what it is, MB)."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return "GPU memory (allocated, MB)", torch.cuda.memory_allocated(device) / 2**20
+    return "process memory (RSS, MB)", rss_mb()
+
+
 def rss_mb() -> float:
     """The process's resident memory now (Linux /proc; elsewhere the peak)."""
     try:

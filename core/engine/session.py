@@ -28,7 +28,7 @@ from .generate import CLOSING_RESERVE, Generation, Reply
 from .locking import locked
 from ..model.loading import ChatModel
 from ..cache.positions import convert_positions
-from .procinfo import peak_rss_mb, rss_mb  # noqa: F401  (part of the engine's public surface)
+from .procinfo import memory_mb, peak_rss_mb, rss_mb  # noqa: F401  (part of the engine's public surface)
 from .reading import SessionReads
 from .settings import Sampling, Settings
 from .tokens import ROLES, TokenLog, check_text, encode_with_offsets
@@ -36,7 +36,7 @@ from ...storage.db import now_iso
 from .turns import ContextFullError, TurnResult
 
 __all__ = ["CLOSING_RESERVE", "ROLES", "ContextFullError", "Sampling", "Session", "Settings", "TurnResult",
-           "check_text", "peak_rss_mb", "rss_mb"]
+           "check_text", "memory_mb", "peak_rss_mb", "rss_mb"]
 
 
 class Session(Feeding, Generation, SessionReads):
