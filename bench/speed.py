@@ -73,7 +73,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a folder with a tokenizer and chat template (default: $KVCHAT_TOKENIZER, else the default "
                         "model's)")
     g.add_argument("--compiled-reference", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time transformers with a static cache and torch.compile (compiling takes a minute)")
+                   help="also time transformers with a static cache and torch.compile, at the first budget "
+                        "(compiling takes a minute)")
     g.add_argument("--replay-turns", type=int, default=2000,
                    help="turns of the TTFT chat, whose peak GPU memory is compared at turn 100 and at the last")
 

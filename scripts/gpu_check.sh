@@ -13,7 +13,7 @@ export PYTHONPATH=/tmp/site:/tmp/pkg PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFO
 export KVCHAT_TOKENIZER="$PWD/.gpu/tokenizer" KVCHAT_HOME=/tmp/kvchat-home
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
-timeout "${TESTS_S:-180}" python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_graph.py 2>&1 | tee "$OUT/tests.log" | tail -15
-timeout "${BENCH_S:-420}" python3 -m kvchat.app.cli bench speed --device cuda --out "$OUT/bench" ${BENCH_ARGS:-} \
+timeout "${TESTS_S:-150}" python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_graph.py 2>&1 | tee "$OUT/tests.log" | tail -15
+timeout "${BENCH_S:-400}" python3 -m kvchat.app.cli bench speed --device cuda --out "$OUT/bench" ${BENCH_ARGS:-} \
     2>&1 | tee "$OUT/bench.log" | grep -E "^(speed-cuda|sanity|kvchat)"
 [ -f "$OUT/bench/RESULTS.md" ] && sed -n '/## Speed on a GPU/,$p' "$OUT/bench/RESULTS.md"
