@@ -75,6 +75,7 @@ def test_an_unsaved_replay_recalls_from_a_temporary_archive(model_dir, tmp_path,
     import tempfile
 
     monkeypatch.setattr("kvchat.core.recall.choose.HELD_QUANTILE", 0.0)  # random weights: recall whatever scores best
+    monkeypatch.setattr("kvchat.core.recall.gate.keeps", lambda without, with_recall: True)  # and keep it
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
     lines = [line for i, w in enumerate(["red", "blue", "green", "grey", "pink", "gold", "teal", "tan"])

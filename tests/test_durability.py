@@ -61,6 +61,7 @@ def test_a_crash_mid_turn_reopens_the_last_committed_turn(tiny, tmp_path, recall
     """The worst moment: the next turn's rows, digests and state file are on disk (and a write was cut short), its
     SQLite commit is not. The conversation reopens exactly as the last committed turn left it."""
     monkeypatch.setattr("kvchat.core.recall.choose.HELD_QUANTILE", 0.0)  # random weights: recall whatever scores best
+    monkeypatch.setattr("kvchat.core.recall.gate.keeps", lambda without, with_recall: True)  # and keep it
     model = tiny("qwen2")
     settings = Settings(policy="h2o", budget=40, window=8, slack=6, recall=recall, recall_tokens=24)
     live = Session(model, settings, store=Store(tmp_path / "kv.db"), sampling=GREEDY)

@@ -3,6 +3,7 @@ chat template renders it. Mixed into ``Session`` (``reply`` opens the turn and r
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
@@ -70,6 +71,8 @@ class Generation:
                     reply.decode_s += time.perf_counter() - t
                     reply.steps += 1
         except GeneratorExit:  # the consumer closed the generator: the partial reply is kept and the turn closed
+            if sys.is_finalizing():  # a generator left open until the interpreter exits: no model runs then
+                raise
             with self._lock:
                 self._finish_reply(reply, "cancelled")
             raise
