@@ -182,13 +182,8 @@ def test_chat_streams_and_live_settings_change_charts_and_cache_view(browser, se
         assert "conversation #" in _info(page)
         _shot(page, "01-chat")
 
-        # Recall (on by default) switched off live, for the part below that fills the cache.
-        before = _state(page)
-        page.click("#kv-recall label:has-text('off')")
-        _wait_done(page, before)
-        assert "recall on → off" in _status(page)
-
-        # Fill the cache past its budget, then switch policy and budget on the live conversation.
+        # Fill the cache past its budget (recall is on by default: what is evicted leaves a digest), then switch
+        # policy and budget on the live conversation.
         for text in ("My locker code is 4417 and my sister is called Beatrice. Please remember both.",
                      "Now describe the sea at night in three sentences, with waves and stars."):
             _send(page, text)
@@ -218,16 +213,24 @@ def test_chat_streams_and_live_settings_change_charts_and_cache_view(browser, se
         assert "h2o budget 48" in _info(page)
         _set_number(page, "kv-window", "")
 
-        # Recall switched on live: the next reply runs under the new policy with what the question needs brought
-        # back (read again from its tokens), within budget + slack, and the cache view marks the recalled text.
+        # Recall switched off and on again live, the budget back to 96 and room for 64 recalled positions: the next
+        # reply runs under the new policy with what the question needs brought back (read again from its tokens),
+        # within budget + slack; the status says what came back, and the cache view marks it.
+        before = _state(page)
+        page.click("#kv-recall label:has-text('off')")
+        _wait_done(page, before)
+        assert "recall on → off" in _status(page)
         before = _state(page)
         page.click("#kv-recall label:has-text('on')")
         _wait_done(page, before)
         assert "recall off → on" in _status(page)
+        _set_number(page, "kv-budget", "96")
+        _set_number(page, "kv-recall-tokens", "64")
         _send(page, "Thanks. What was my locker code?")
         cache_now, cap = map(int, re.search(r"cache (\d+) / (\d+)", _info(page)).groups())
-        assert cap == 48 + 64 and cache_now <= cap
-        assert re.search(r"\d+ recalled in \d+ ms", _status(page))
+        assert cap == 96 + 64 and cache_now <= cap
+        assert re.search(r"\d+ recalled in \d+ ms, the message [\d.]+ nats/token more predictable", _status(page)), \
+            _status(page)
         view.locator(".kv-recalled").first.wait_for()
         assert re.search(r"[\d,]+ of them recalled", view.inner_text())
         page.click("role=tab[name='Charts']")

@@ -40,3 +40,14 @@ class TurnResult:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def recall_note(self) -> str | None:
+        """What recall did for this turn, in words for the status line; None when it brought nothing to decide."""
+        if self.recalled_tokens:
+            gain = f", the message {self.recall_gain:.2f} nats/token more predictable" if self.recall_gain else ""
+            return f"{self.recalled_tokens} recalled in {self.recall_ms:.0f} ms{gain}"
+        if self.recall_declined:
+            n = sum(e - s for s, e in self.recall_declined)
+            return (f"recall read {n} evicted tokens back and gave them up (the message only "
+                    f"{self.recall_gain or 0:.2f} nats/token more predictable) in {self.recall_ms:.0f} ms")
+        return None
