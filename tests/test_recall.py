@@ -3,6 +3,7 @@ conversation order, read again from its tokens and every key rotated once from w
 and gone with its conversation."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -229,6 +230,31 @@ def test_deleting_a_conversation_deletes_its_recall_digests(tiny, tmp_path):
     session.close()
     store.delete(session.conversation_id)
     assert not folder.exists()
+
+
+def test_an_unsaved_sessions_temporary_digests_never_outlive_it(tiny):
+    """Without a store, recall's digests live in a temporary folder: gone when the session is closed, when it is
+    dropped without closing, and when a process ends holding one (nothing piles up in the temporary directory)."""
+    import gc
+    import subprocess
+    import sys
+
+    session = Session(tiny("llama"), _settings(), sampling=GREEDY)
+    _chat(session, rounds=1)
+    folder = session.files.folder
+    assert session.files.temporary and session.archive_bytes > 0
+    session.close()
+    assert not folder.exists()
+    session = Session(tiny("llama"), _settings(), sampling=GREEDY)
+    _chat(session, rounds=1)
+    folder = session.files.folder
+    del session
+    gc.collect()
+    assert not folder.exists()
+    code = ("import sys, pathlib; from kvchat.core.engine.persist import Files; f = Files.new(None); "
+            "(f.folder / 'digests').mkdir(); print(f.folder)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out and not Path(out).exists()
 
 
 @pytest.mark.parametrize("bad", [{"recall": "maybe"}, {"recall_groups": 0}, {"recall_tokens": -3},

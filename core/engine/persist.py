@@ -24,6 +24,7 @@ import json
 import shutil
 import tempfile
 import uuid
+import weakref
 from dataclasses import asdict
 from pathlib import Path
 
@@ -49,6 +50,8 @@ class Files:
         self.rows = RowFile(self.folder)
         self.named = np.zeros(0, dtype=np.int64)  # the rows the last committed state names
         self.legacy = None  # an old archive (storage/legacy.py) to delete once a turn has committed in the new form
+        # a temporary folder goes when its session is closed, collected, or the interpreter exits (never left in /tmp)
+        self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.folder), True) if temporary else None
 
     @classmethod
     def new(cls, store) -> "Files":
@@ -63,7 +66,10 @@ class Files:
         return sum(p.stat().st_size for p in self.folder.rglob("*") if p.is_file())
 
     def delete(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
+        if self._cleanup is not None:
+            self._cleanup()
+        else:
+            shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def open_digests(session) -> Digests | None:
