@@ -36,7 +36,7 @@ from ..core.recall import choose as recall_engine
 from ..core.recall.choose import choose
 from ..core.recall.digest import REPS
 from ..core.recall.score import QUERY_ROWS, relevance, scoring_layers
-from ..core.engine.session import Sampling, Session
+from ..core.engine.session import ContextFullError, Sampling, Session
 from ..core.engine.settings import Settings
 from ..policies import POLICIES
 from ..storage.db import Store
@@ -187,14 +187,16 @@ def replay_nll(cm, settings: Settings, data: Path, turns: int, store: Store) -> 
     """Mean NLL of the assistant's tokens over ``turns`` MT-Bench exchanges teacher-forced on one chat."""
     session = Session(cm, settings, sampling=Sampling(temperature=0.0), store=store)
     nlls, weights = [], []
-    for user, answer in [p for p in filler_pairs(data) if len(p[1]) > 200][:turns]:
-        res = session.probe(user, answer, answer)
-        n = len(cm.tokenizer(answer, add_special_tokens=False)["input_ids"])
-        nlls.append(res.expect_nll * n)
-        weights.append(n)
-    session.close()
-    if session.conversation_id is not None:
-        store.delete(session.conversation_id)
+    try:
+        for user, answer in [p for p in filler_pairs(data) if len(p[1]) > 200][:turns]:
+            res = session.probe(user, answer, answer)
+            n = len(cm.tokenizer(answer, add_special_tokens=False)["input_ids"])
+            nlls.append(res.expect_nll * n)
+            weights.append(n)
+    finally:
+        session.close()
+        if session.conversation_id is not None:
+            store.delete(session.conversation_id)
     nll = sum(nlls) / sum(weights)
     return {"policy": settings.policy, "budget": settings.budget if settings.bounded else None,
             "recall": settings.recall, "turns": turns, "tokens": sum(weights), "nll": nll, "ppl": math.exp(nll)}
@@ -254,7 +256,10 @@ def run(args, run: Run, cm) -> None:
         store = Store(Path(tmp) / "recall.db")
         if args.after + 1024 < cm.max_positions:  # the full cache holds the whole chat: the ceiling
             cells.extend(cell(cm, Settings(policy="full"), cases, args.after, args.max_new_tokens, store))
-            run.rows["replay"].append(replay_nll(cm, Settings(policy="full"), data, args.replay_turns, store))
+            try:
+                run.rows["replay"].append(replay_nll(cm, Settings(policy="full"), data, args.replay_turns, store))
+            except ContextFullError as exc:  # the replayed answers alone pass the model's positions
+                log(f"recall: no full-cache replay: {exc}")
         else:
             log(f"recall: no full-cache ceiling: {args.after} tokens after the fact pass the model's "
                 f"{cm.max_positions} positions")
