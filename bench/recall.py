@@ -220,25 +220,24 @@ def scoring_cost(cm, sizes: list[int], group_tokens: float, seed: int) -> list[d
     for size in sizes:
         groups = max(1, round(size / group_tokens))
         spans = torch.stack([torch.arange(groups), torch.arange(groups) + 1], 1) * round(group_tokens)
-        folder = tempfile.mkdtemp(prefix="kvchat-recall-cost-")
-        store = Digests(folder, cm.num_layers, cm.rotary, cap_mb=1 << 20)
-        for start in range(0, groups, 4096):
-            block = torch.randn(min(4096, groups - start), len(layers), heads, REPS, kdim, generator=gen)
-            store.append(block, spans[start: start + block.shape[0]])
-        _, digests, coarse = store.read()
-        held = torch.zeros(groups)
-        content = torch.ones(groups, dtype=torch.bool)
-        row = {"archive_tokens": size, "groups": groups, "digest_mb": store.nbytes / 2**20}
-        for key, n in (("ms", 20), ("ms_long", QUERY_ROWS)):
-            queries = {li: torch.randn(qheads, n, kdim, generator=gen) for li in layers}
-            times = []
-            for _ in range(5):
-                t = time.perf_counter()
-                rel = relevance(digests, coarse, layers, queries, {})
-                choose(rel, spans, held, content, 6, 64, 0.0)
-                times.append(1000 * (time.perf_counter() - t))
-            row[key] = statistics.median(times)
-        store.delete()
+        with tempfile.TemporaryDirectory(prefix="kvchat-recall-cost-") as folder:
+            store = Digests(folder, cm.num_layers, cm.rotary, cap_mb=1 << 20)
+            for start in range(0, groups, 4096):
+                block = torch.randn(min(4096, groups - start), len(layers), heads, REPS, kdim, generator=gen)
+                store.append(block, spans[start: start + block.shape[0]])
+            _, digests, coarse = store.read()
+            held = torch.zeros(groups)
+            content = torch.ones(groups, dtype=torch.bool)
+            row = {"archive_tokens": size, "groups": groups, "digest_mb": store.nbytes / 2**20}
+            for key, n in (("ms", 20), ("ms_long", QUERY_ROWS)):
+                queries = {li: torch.randn(qheads, n, kdim, generator=gen) for li in layers}
+                times = []
+                for _ in range(5):
+                    t = time.perf_counter()
+                    rel = relevance(digests, coarse, layers, queries, {})
+                    choose(rel, spans, held, content, 6, 64, 0.0)
+                    times.append(1000 * (time.perf_counter() - t))
+                row[key] = statistics.median(times)
         rows.append(row)
         log(f"recall scoring at {size:7d} archived tokens ({groups} groups): {row['ms']:.1f} ms (20-token message), "
             f"{row['ms_long']:.1f} ms ({QUERY_ROWS} query rows)")
