@@ -126,7 +126,7 @@ def cmd_chat(args) -> int:
             res = session.history[-1]
             print(f"\n  [{res.new_tokens} tokens, {time.perf_counter() - t:.1f} s, cache {res.cache_tokens} "
                   f"tokens / {res.cache_bytes / 2**20:.1f} MiB, evicted {res.evicted_tokens}"
-                  + (f"; {res.recall_note()}" if res.recall_note() else "")
+                  + (f"; {note}" if (note := res.recall_note()) else "")
                   + "]", file=sys.stderr)
             for w in res.warnings:
                 print(f"warning: {w}", file=sys.stderr)

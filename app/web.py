@@ -181,7 +181,7 @@ class WebApp(Layout):
         speed = f", {1000 / res.decode_ms_per_token:.1f} tokens/s" if res.decode_ms_per_token else ""
         status = (f"reply: {res.new_tokens} tokens{speed}, prompt {res.prompt_tokens} tokens in {res.prefill_ms:.0f} ms"
                   f"; {res.evicted_tokens} evicted"
-                  + (f"; {res.recall_note()}" if res.recall_note() else "")
+                  + (f"; {note}" if (note := res.recall_note()) else "")
                   + f"; stopped by {res.stopped}")
         status = "; ".join([status] + res.warnings)
         yield [chat_messages(s), gr.skip(), self._charts(entry), self._head_map(entry), cache_view(s),
