@@ -108,6 +108,10 @@ def replay(cm, settings: Settings, pairs: list[tuple[str, str]], turns: int, arg
             filled = t
         samples.append((t, session.cache_bytes, rss_mb(), session.cache_tokens, session.total_tokens,
                         *disk(store, session)))
+        if t % 500 == 0:  # a soak cut short still says what it measured
+            s = samples[-1]
+            log(f"memory {settings.policy:10s} turn {t}: {s[4]} tokens, cache {s[3]}, RSS {s[2]:.1f} MB, disk "
+                + ", ".join(f"{k} {v:,} B" for k, v in zip(DISK, s[5:])))
     after = [s for s in samples if filled is not None and s[0] >= max(filled, turns // 10)]
     xs = [s[0] for s in after]
     out = {"policy": settings.policy, "budget": settings.budget, "turns": turns, "tokens": session.total_tokens,
