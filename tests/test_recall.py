@@ -488,6 +488,47 @@ def test_a_recalled_sentence_comes_with_its_scaffolding_and_the_next_sentence_of
     assert choose(relevance, spans, held, content, 6, 100, 0.5, other) == [[0, 1]]
 
 
+def test_a_sentence_whose_text_the_cache_holds_or_a_pick_brings_is_not_recalled_again():
+    """``choose`` with ``text``: a chat's repeated pleasantries come back at most once, and not at all while the
+    cache holds a copy; the next best distinct group takes the place."""
+    from kvchat.core.recall.choose import choose
+
+    # groups: 0 "How can I help?" (held) | 1 same text | 2 "Goodbye" | 3 same text | 4 a fact | 5 a fact
+    spans = torch.tensor([[0, 4], [4, 8], [8, 10], [10, 12], [12, 18], [18, 24]])
+    texts = [(1, 2, 3, 4), (1, 2, 3, 4), (5, 6), (5, 6), (7, 8, 9, 10, 11, 12), (13, 14, 15, 16, 17, 18)]
+    content = torch.ones(6, dtype=torch.bool)
+    relevance = torch.tensor([0.0, 0.9, 0.8, 0.7, 0.6, 0.5])
+    held = torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    assert choose(relevance, spans, held, content, 3, 100, 0.0) == [[1], [2], [3]]  # without text: copies come
+    assert choose(relevance, spans, held, content, 3, 100, 0.0, text=lambda g: texts[g]) == [[2], [4], [5]]
+
+
+def test_word_overlap_ranks_the_sentence_sharing_a_rare_word_first(tokenizer):
+    """``bm25``: a group sharing a word that few groups hold outscores ones sharing only words every group holds,
+    whatever their case or leading space; a group sharing no word scores 0. ``fuse`` brings a group high in either
+    ranking above one high in neither, and counts a ranking only where it scores above 0."""
+    from kvchat.core.recall.lexical import bm25, fuse, normal_forms
+
+    tok = tokenizer
+    forms = normal_forms(tok)
+    sentences = ["The weather is nice today.", "My bike lock code is 5104.", "The train is late today.",
+                 "Pizza sounds good.", "The cat is asleep today."]
+    ids, spans = [], []
+    for text in sentences:
+        t = tok(" " + text, add_special_tokens=False)["input_ids"]
+        spans.append([len(ids), len(ids) + len(t)])
+        ids += t
+    question = torch.tensor(tok("Is the Lock on my bicycle open today?", add_special_tokens=False)["input_ids"])
+    scores = bm25(question, torch.tensor(ids), torch.tensor(spans), forms)
+    assert int(scores.argmax()) == 1
+    assert float(scores[3]) == 0.0 and all(float(scores[g]) > 0 for g in (0, 2, 4))
+    punctuation = tok("?", add_special_tokens=False)["input_ids"]
+    assert all(int(forms[i]) == -1 for i in punctuation)
+    fused = fuse(torch.tensor([0.0, 0.0, 0.9, 0.0, 0.1]), scores)
+    assert float(fused[3]) == 0.0
+    assert float(fused[1]) > float(fused[0]) and float(fused[2]) > float(fused[0])
+
+
 @pytest.mark.parametrize("policy", ["h2o", "headaware"])  # h2o: a statistic per slot; headaware: heads' own lengths
 def test_reorder_puts_recalled_slots_in_place_with_the_median_statistic(policy, tiny):
     """``compress.reorder`` after recall read text again at the end of the cache: every head's slots in conversation

@@ -39,7 +39,7 @@ class Feeding:
             # The message's queries choose what comes back. When something does, the session goes back to before
             # the message was read and it is fed again after the recall, so its own KV is computed with the
             # recalled text before it, as it was when that text was still cached; the recalled text stays only if
-            # it makes the message markedly more predictable (``_read_with``, core/recall/gate.py).
+            # it makes the message more predictable (``_read_with``, core/recall/gate.py).
             tap = QueryTap(self.digests.layers)
             # Room for the message's first chunk, as feeding the message and its answer at once would make (the
             # message and the answer are read in the chunks and with the compressions of that: recall on or off,
@@ -51,7 +51,7 @@ class Feeding:
             before = ReadMark.capture(self, len(segments[0][0])) or Checkpoint.capture(self)
             marking = 1000 * (time.perf_counter() - t)
             head = self._feed(segments[:1], want_logprobs=want_logprobs, tap=tap, tail=gate.TAIL, more=rest)
-            found = recall.plan(self, tap)
+            found = recall.plan(self, tap, torch.as_tensor(segments[0][0]))
             found["recall_ms"] += marking  # what recall adds to every message: the mark, the scoring, the put-back
             if found["recalled"]:
                 head = self._read_with(segments[:1], want_logprobs, before, found, head, rest)
@@ -72,7 +72,7 @@ class Feeding:
 
     def _read_with(self, message, want_logprobs: bool, before, found: dict, first, rest: int):
         """Read ``message`` again with the text ``found`` recalled before it; keep that read if the recalled text
-        makes the message markedly more predictable (core/recall/gate.py), else go back to the first read
+        makes the message more predictable (core/recall/gate.py), else go back to the first read
         (``first``: its ``_feed`` result). Returns the read kept; ``found`` says what stayed."""
         t = time.perf_counter()
         scaffolding = self.model.scaffolding_ids()

@@ -16,19 +16,23 @@ import time
 import torch
 
 from ..cache import compress
+from .lexical import bm25, fuse
 from .score import QueryTap, relevance
 
 HELD_QUANTILE = 0.9  # a recalled group must outscore this share of the groups the cache holds
 
 
 def choose(relevance: torch.Tensor, spans: torch.Tensor, mean_held: torch.Tensor, has_content: torch.Tensor,
-           groups: int, tokens: int, threshold: float, message: torch.Tensor | None = None) -> list[list[int]]:
+           groups: int, tokens: int, threshold: float, message: torch.Tensor | None = None,
+           text=None) -> list[list[int]]:
     """The groups to bring back, best first: at most ``groups`` of them and ``tokens`` positions in all, each
     scoring at least ``threshold``, holding more than template scaffolding (``has_content``, per group) and mostly
     evicted now (``mean_held``: the share of its (layer, head, position) slots held, per group, below one half).
     Each comes as a unit with the evicted groups right around it that are scaffolding, and with the next sentence
     of the same message (``message``: the message of each group) where that is evicted too; units are consecutive
-    group indices, in conversation order."""
+    group indices, in conversation order. ``text`` (group -> its token ids as a tuple), where given, skips a group
+    whose very text the cache holds (a group mostly held) or an earlier pick brings: a chat repeats its pleasantries
+    ("How can I help you today?"), which attention favours and a second copy of tells the model nothing."""
     a, b = spans[:, 0], spans[:, 1]
     # Only what the message wants more than most of what the cache already holds comes back.
     present = relevance[(mean_held >= 0.5) & has_content & (relevance > 0)]
@@ -43,11 +47,16 @@ def choose(relevance: torch.Tensor, spans: torch.Tensor, mean_held: torch.Tensor
         follows = torch.cat([(message[1:] == message[:-1]) & evicted[1:], torch.tensor([False])]).tolist()
     size = (b - a).tolist()
     chosen, used, picked = [], 0, set()
+    seen = {text(g) for g in (~evicted & has_content).nonzero().flatten().tolist()} if text is not None else set()
     for g in order:
         if len(chosen) >= groups or used >= tokens:
             break
         if g in picked:
             continue
+        if text is not None:
+            if text(g) in seen:
+                continue
+            seen.add(text(g))
         # the template scaffolding right around it (the message's header, its end marker) comes with it, so the
         # model reads it as the message it was; and the sentence after it in the same message, which often
         # completes it (a name after "Dr.", the value a sentence introduces)
@@ -83,8 +92,9 @@ def held_share(cache, spans: torch.Tensor) -> torch.Tensor:
     return counts / (max(pairs, 1) * (spans[:, 1] - spans[:, 0]).clamp(min=1))
 
 
-def plan(session, tap: QueryTap) -> dict:
-    """Score the archived groups against the queries ``tap`` kept and choose what comes back: {"recalled_tokens",
+def plan(session, tap: QueryTap, message: torch.Tensor) -> dict:
+    """Score the archived groups against the queries ``tap`` kept and the words of ``message`` (its token ids),
+    and choose what comes back: {"recalled_tokens",
     "recalled_groups", "recalled": [[start, end]] (a chosen group with the scaffolding around it), "bring": the
     positions, "recall_ms"}."""
     t0 = time.perf_counter()
@@ -92,10 +102,18 @@ def plan(session, tap: QueryTap) -> dict:
     spans, digests, coarse = digests_store.read()
     out = {"recalled_tokens": 0, "recalled_groups": 0, "recalled": [], "bring": torch.zeros(0, dtype=torch.long)}
     if spans.shape[0] and tap.queries:
-        rel = relevance(digests, coarse, digests_store.layers, tap.unrotated(session.model.rotary), tap.scaling)
-        units = choose(rel, spans, held_share(session.cache, spans),
+        attention = relevance(digests, coarse, digests_store.layers, tap.unrotated(session.model.rotary),
+                              tap.scaling)
+        ids = session.log.column("token")
+        forms = session.model.word_forms().clone()
+        forms[session.model.scaffolding_ids().long()] = -1  # the template's own words ("user") are no topic
+        words = bm25(message, ids, spans, forms)
+        # the two rankings merged; recall_threshold still asks for that much attention
+        wanted = fuse(attention, words) * (attention >= s.recall_threshold)
+        units = choose(wanted, spans, held_share(session.cache, spans),
                        digests_store.has_content(spans, session.log, session.model.scaffolding_ids()),
-                       s.recall_groups, s.recall_limit, s.recall_threshold, session.log.at("message", spans[:, 0]))
+                       s.recall_groups, s.recall_limit, 0.0, session.log.at("message", spans[:, 0]),
+                       text=lambda g: tuple(ids[spans[g, 0]:spans[g, 1]].tolist()))
         if units:
             found = [[int(spans[u[0], 0]), int(spans[u[-1], 1])] for u in units]
             out.update(recalled=found, recalled_groups=len(units),

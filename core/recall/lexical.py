@@ -1,0 +1,70 @@
+"""Word overlap: a second opinion beside attention on which archived sentences a user message is about.
+
+Attention over digests (core/recall/score.py) links meaning, but a small model also spreads its attention over a
+chat's pleasantries and misses plain shared words ("Which numbers open the lock on my bicycle?" against "My bike lock
+code is 5104." ranked 18th of 95 by attention). So every archived group is also scored by BM25 over the words it
+shares with the message (``bm25``; words are the tokenizer's tokens in one normal form: lower case, without the
+leading space, ``normal_forms``; a word's rarity is counted over the groups archived), and the two rankings are
+merged by reciprocal rank (``fuse``): a group high in either list comes up, one high in both comes first.
+"""
+
+from __future__ import annotations
+
+import torch
+
+K1, B = 1.2, 0.75  # BM25's usual term saturation and length normalisation
+FUSE_K = 60  # reciprocal rank fusion's usual constant: a group's share is 1 / (FUSE_K + its rank), per list
+
+
+def normal_forms(tokenizer) -> torch.Tensor:
+    """[vocabulary] for each token id the id of its normal form (the first id with the same lower-case text,
+    without a leading space or word-start marker); -1 for tokens with no letter or digit (punctuation, spaces,
+    template markers), which say nothing about what a message is about."""
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    out, first = torch.full((len(pieces),), -1, dtype=torch.long), {}
+    for i, piece in enumerate(pieces):
+        word = (piece or "").replace("\u0120", "").replace("\u2581", "").strip().lower()  # GPT-2's Ġ, SentencePiece's ▁
+        if any(c.isalnum() for c in word) and not (word.startswith("<") and word.endswith(">")):
+            out[i] = first.setdefault(word, i)
+    return out
+
+
+def bm25(message: torch.Tensor, tokens: torch.Tensor, spans: torch.Tensor, forms: torch.Tensor) -> torch.Tensor:
+    """[groups] the BM25 score of each group (``spans``: [groups, 2] positions into ``tokens``, the conversation's
+    token ids, in order) for the words of ``message`` (token ids); 0 where they share none."""
+    groups = spans.shape[0]
+    out = torch.zeros(groups)
+    words = forms[message.long()]
+    words = words[words >= 0].unique()
+    if groups == 0 or words.numel() == 0:
+        return out
+    lo, hi = int(spans[0, 0]), int(spans[-1, 1])
+    seen = forms[tokens[lo:hi].long()]
+    hit = torch.isin(seen, words).nonzero().flatten()
+    sizes = (spans[:, 1] - spans[:, 0]).float()
+    if hit.numel():
+        pos = hit + lo
+        group = torch.searchsorted(spans[:, 1].contiguous(), pos, right=True)
+        inside = (group < groups)
+        group, pos, hit = group[inside], pos[inside], hit[inside]
+        inside = pos >= spans[group, 0]
+        group, hit = group[inside], hit[inside]
+        term = torch.searchsorted(words, seen[hit])
+        tf = torch.bincount(group * words.numel() + term, minlength=groups * words.numel()).view(groups, -1).float()
+        df = (tf > 0).sum(0).float()
+        idf = torch.log1p((groups - df + 0.5) / (df + 0.5))
+        norm = K1 * (1 - B + B * sizes / sizes.mean().clamp(min=1))
+        out = (idf * tf * (K1 + 1) / (tf + norm[:, None])).sum(1)
+    return out
+
+
+def fuse(*scores: torch.Tensor) -> torch.Tensor:
+    """[groups] reciprocal rank fusion of the score lists: the sum over lists of 1 / (``FUSE_K`` + the group's rank
+    in it, from 1), a list counting only for the groups it scores above 0."""
+    out = torch.zeros(scores[0].shape[0])
+    for s in scores:
+        order = s.argsort(descending=True, stable=True)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(1, order.numel() + 1)
+        out += torch.where(s > 0, 1.0 / (FUSE_K + rank.float()), torch.zeros(()))
+    return out
