@@ -35,6 +35,7 @@ import torch
 from ..core.recall import choose as recall_engine
 from ..core.recall.choose import choose
 from ..core.recall.digest import REPS
+from ..core.recall.lexical import bm25, fuse
 from ..core.recall.score import QUERY_ROWS, relevance, scoring_layers
 from ..core.engine.session import ContextFullError, Sampling, Session
 from ..core.engine.settings import Settings
@@ -203,10 +204,10 @@ def replay_nll(cm, settings: Settings, data: Path, turns: int, store: Store) -> 
 
 
 def scoring_cost(cm, sizes: list[int], group_tokens: float, seed: int) -> list[dict]:
-    """Recall's scoring (relevance over every digest, then the choice) against archives of ``sizes`` tokens: random
-    digests (the cost does not depend on their values) written to a digest store as a chat writes them (int8,
-    on disk) and read back as recall reads them, the queries a 20-token message's and a long message's (the
-    ``QUERY_ROWS`` rows kept at most)."""
+    """Recall's scoring (relevance over every digest, the words shared, then the choice) against archives of
+    ``sizes`` tokens: random digests (the cost does not depend on their values) written to a digest store as a chat
+    writes them (int8, on disk) and read back as recall reads them, the queries a 20-token message's and a long
+    message's (the ``QUERY_ROWS`` rows kept at most), the archive's and the message's tokens random."""
     import tempfile
 
     from ..core.recall.digest import Digests
@@ -229,13 +230,14 @@ def scoring_cost(cm, sizes: list[int], group_tokens: float, seed: int) -> list[d
             held = torch.zeros(groups)
             content = torch.ones(groups, dtype=torch.bool)
             row = {"archive_tokens": size, "groups": groups, "digest_mb": store.nbytes / 2**20}
+            ids = torch.randint(0, len(cm.tokenizer), (int(spans[-1, 1]),), generator=gen, dtype=torch.int32)
             for key, n in (("ms", 20), ("ms_long", QUERY_ROWS)):
                 queries = {li: torch.randn(qheads, n, kdim, generator=gen) for li in layers}
                 times = []
                 for _ in range(5):
                     t = time.perf_counter()
                     rel = relevance(digests, coarse, layers, queries, {})
-                    choose(rel, spans, held, content, 6, 64, 0.0)
+                    choose(fuse(rel, bm25(ids[:n], ids, spans, cm.word_forms())), spans, held, content, 6, 64, 0.0)
                     times.append(1000 * (time.perf_counter() - t))
                 row[key] = statistics.median(times)
         rows.append(row)

@@ -39,23 +39,26 @@ def bm25(message: torch.Tensor, tokens: torch.Tensor, spans: torch.Tensor, forms
     if groups == 0 or words.numel() == 0:
         return out
     lo, hi = int(spans[0, 0]), int(spans[-1, 1])
-    seen = forms[tokens[lo:hi].long()]
-    hit = torch.isin(seen, words).nonzero().flatten()
+    wanted = torch.isin(forms, words)  # [vocabulary] the token ids whose word the message has: one lookup a token
+    hit = wanted[tokens[lo:hi]].nonzero().flatten()
+    if hit.numel() == 0:
+        return out
+    pos = hit + lo
+    group = torch.searchsorted(spans[:, 1].contiguous(), pos, right=True)
+    inside = group < groups
+    group, pos, hit = group[inside], pos[inside], hit[inside]
+    inside = pos >= spans[group, 0]
+    group, hit = group[inside], hit[inside]
+    # counted sparsely, per (group, word) pair that occurs: the cost follows the matches, not groups x words
+    term = torch.searchsorted(words, forms[tokens[hit + lo].long()])
+    pair, tf = torch.unique(group * words.numel() + term, return_counts=True)
+    g, w = pair // words.numel(), pair % words.numel()
+    df = torch.bincount(w, minlength=words.numel()).float()
+    idf = torch.log1p((groups - df + 0.5) / (df + 0.5))
     sizes = (spans[:, 1] - spans[:, 0]).float()
-    if hit.numel():
-        pos = hit + lo
-        group = torch.searchsorted(spans[:, 1].contiguous(), pos, right=True)
-        inside = (group < groups)
-        group, pos, hit = group[inside], pos[inside], hit[inside]
-        inside = pos >= spans[group, 0]
-        group, hit = group[inside], hit[inside]
-        term = torch.searchsorted(words, seen[hit])
-        tf = torch.bincount(group * words.numel() + term, minlength=groups * words.numel()).view(groups, -1).float()
-        df = (tf > 0).sum(0).float()
-        idf = torch.log1p((groups - df + 0.5) / (df + 0.5))
-        norm = K1 * (1 - B + B * sizes / sizes.mean().clamp(min=1))
-        out = (idf * tf * (K1 + 1) / (tf + norm[:, None])).sum(1)
-    return out
+    norm = K1 * (1 - B + B * sizes[g] / sizes.mean().clamp(min=1))
+    tf = tf.float()
+    return out.index_add_(0, g, idf[w] * tf * (K1 + 1) / (tf + norm))
 
 
 def fuse(*scores: torch.Tensor) -> torch.Tensor:
@@ -63,8 +66,7 @@ def fuse(*scores: torch.Tensor) -> torch.Tensor:
     in it, from 1), a list counting only for the groups it scores above 0."""
     out = torch.zeros(scores[0].shape[0])
     for s in scores:
-        order = s.argsort(descending=True, stable=True)
-        rank = torch.empty_like(order)
-        rank[order] = torch.arange(1, order.numel() + 1)
-        out += torch.where(s > 0, 1.0 / (FUSE_K + rank.float()), torch.zeros(()))
+        scored = (s > 0).nonzero().flatten()  # ranked among themselves: the others come after them all
+        order = scored[s[scored].argsort(descending=True, stable=True)]
+        out[order] += 1.0 / (FUSE_K + torch.arange(1, order.numel() + 1, dtype=torch.float32))
     return out
