@@ -1,6 +1,7 @@
 """The real default model (SmolLM2-135M-Instruct): equivalence, recall through the cache, bounded endless chat."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -50,13 +51,18 @@ def _fact_then_probe(model, settings):
 
 def test_probe_measures_what_the_cache_still_holds(smol):
     """With the fact in the cache its tokens are predicted (NLL ~0.07, measured); once streaming has slid past
-    it they are not (NLL ~2.8)."""
+    it they are not (NLL ~2.8) with recall off, and with recall on (the default) the question brings the fact's
+    sentence back and they are again."""
     full, with_fact = _fact_then_probe(smol, Settings(policy="full"))
     assert with_fact.hit and with_fact.expect_nll < 0.5
-    small = Settings(policy="streaming", budget=128, window=32, slack=16)
+    small = Settings(policy="streaming", budget=128, window=32, slack=16, recall="off")
     session, without = _fact_then_probe(smol, small)
     assert session.total_tokens > 3 * small.capacity
     assert not without.hit and without.expect_nll > 1.5
+    session, recalled = _fact_then_probe(smol, replace(small, recall="on"))
+    ids = session.log.column("token")
+    assert any("4417" in smol.tokenizer.decode(ids[a:b].tolist()) for a, b in recalled.recalled), recalled.recalled
+    assert recalled.hit and recalled.expect_nll < 1.0
 
 
 def test_endless_chat_stays_bounded_and_positions_stay_small(smol):

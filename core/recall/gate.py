@@ -14,8 +14,8 @@ Measured on the default model (budget 256, the recall bench's 12 paraphrased que
 the fact, every recall kept to read its gain; docs/recall.md): ``streaming`` brought the fact back in 10 and the
 question gained 0.11-1.14 in 9 of them, its two other recalls -0.21 and -0.15; ``h2o`` brought it back in 11, gaining
 0.19-1.11 in 9, its other recall 0.12. The previous gate's 0.3 gave up 3 and 2 of those facts; 0.1 only those
-whose question it made less predictable. On a 40-turn MT-Bench replay, where nothing needed had been evicted, the NLL at 0.1 is within 0.1% of
-recall off's (budgets 256 and 512).
+whose question it made less predictable. On a 40-turn MT-Bench replay, where nothing needed had been evicted, the
+NLL at 0.1 is within 0.1% of recall off's (budgets 256 and 512).
 """
 
 from __future__ import annotations

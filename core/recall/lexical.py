@@ -23,7 +23,8 @@ def normal_forms(tokenizer) -> torch.Tensor:
     pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     out, first = torch.full((len(pieces),), -1, dtype=torch.long), {}
     for i, piece in enumerate(pieces):
-        word = (piece or "").replace("\u0120", "").replace("\u2581", "").strip().lower()  # GPT-2's Ġ, SentencePiece's ▁
+        # without GPT-2's word-start Ġ or SentencePiece's ▁
+        word = (piece or "").replace("\u0120", "").replace("\u2581", "").strip().lower()
         if any(c.isalnum() for c in word) and not (word.startswith("<") and word.endswith(">")):
             out[i] = first.setdefault(word, i)
     return out
