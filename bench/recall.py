@@ -35,7 +35,7 @@ import torch
 from ..core.recall import choose as recall_engine
 from ..core.recall.choose import choose
 from ..core.recall.digest import REPS
-from ..core.recall.lexical import bm25, fuse
+from ..core.recall.lexical import bm25, fuse, word_forms
 from ..core.recall.score import QUERY_ROWS, relevance, scoring_layers
 from ..core.engine.session import ContextFullError, Sampling, Session
 from ..core.engine.settings import Settings
@@ -237,7 +237,7 @@ def scoring_cost(cm, sizes: list[int], group_tokens: float, seed: int) -> list[d
                 for _ in range(5):
                     t = time.perf_counter()
                     rel = relevance(digests, coarse, layers, queries, {})
-                    choose(fuse(rel, bm25(ids[:n], ids, spans, cm.word_forms())), spans, held, content, 6, 64, 0.0)
+                    choose(fuse(rel, bm25(ids[:n], ids, spans, word_forms(cm))), spans, held, content, 6, 64, 0.0)
                     times.append(1000 * (time.perf_counter() - t))
                 row[key] = statistics.median(times)
         rows.append(row)

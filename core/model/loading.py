@@ -154,7 +154,7 @@ class ChatModel:
     generation_defaults: dict = field(default_factory=dict)
     #: Token ids of the chat template's scaffolding (``scaffolding_ids``).
     scaffolding: torch.Tensor | None = field(default=None, repr=False)
-    #: Each token id's normal form as a word, for recall's word overlap (``word_forms``).
+    #: Each token id's normal form as a word, for recall's word overlap (core/recall/lexical.py: ``word_forms``).
     words: torch.Tensor | None = field(default=None, repr=False)
     #: How the linear layers' weights are held (core/decode/weights.py): "model" (as loaded) or "half".
     weights: str = "model"
@@ -173,13 +173,6 @@ class ChatModel:
         if self.scaffolding is None:
             self.scaffolding = scaffolding(self.chat, self.tokenizer)
         return self.scaffolding
-
-    def word_forms(self) -> torch.Tensor:
-        """[vocabulary] each token id's normal form as a word (core/recall/lexical.py), computed once."""
-        if self.words is None:
-            from ..recall.lexical import normal_forms
-            self.words = normal_forms(self.tokenizer)
-        return self.words
 
     @property
     def num_layers(self) -> int:

@@ -16,7 +16,7 @@ import time
 import torch
 
 from ..cache import compress
-from .lexical import bm25, fuse
+from .lexical import bm25, fuse, word_forms
 from .score import QueryTap, relevance
 
 HELD_QUANTILE = 0.9  # a recalled group must outscore this share of the groups the cache holds
@@ -105,7 +105,7 @@ def plan(session, tap: QueryTap, message: torch.Tensor) -> dict:
         attention = relevance(digests, coarse, digests_store.layers, tap.unrotated(session.model.rotary),
                               tap.scaling)
         ids = session.log.column("token")
-        forms = session.model.word_forms().clone()
+        forms = word_forms(session.model).clone()
         forms[session.model.scaffolding_ids().long()] = -1  # the template's own words ("user") are no topic
         words = bm25(message, ids, spans, forms)
         # the two rankings merged; recall_threshold still asks for that much attention

@@ -30,6 +30,13 @@ def normal_forms(tokenizer) -> torch.Tensor:
     return out
 
 
+def word_forms(model) -> torch.Tensor:
+    """``normal_forms`` of a ChatModel's tokenizer, computed once and kept on the model (``model.words``)."""
+    if getattr(model, "words", None) is None:
+        model.words = normal_forms(model.tokenizer)
+    return model.words
+
+
 def bm25(message: torch.Tensor, tokens: torch.Tensor, spans: torch.Tensor, forms: torch.Tensor) -> torch.Tensor:
     """[groups] the BM25 score of each group (``spans``: [groups, 2] positions into ``tokens``, the conversation's
     token ids, in order) for the words of ``message`` (token ids); 0 where they share none."""
