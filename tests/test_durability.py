@@ -216,15 +216,44 @@ def test_deleting_a_conversation_deletes_its_files(tiny, tmp_path):
     assert not folder.exists()
 
 
-def test_a_conversation_of_the_old_archive_reopens_exactly_and_moves_to_the_new_form(tiny, tmp_path):
-    """A conversation stored by kvchat before the bounded storage (its archive kept every token's KV: fixture made
-    by that version, tests/data/legacy-v1) reopens with exactly the cache that version reopened it with; after the
-    next turn its old files are gone and it reopens exactly from the new ones."""
-    import shutil
+LEGACY_COMMIT = "db83950"  # the last version whose archive kept every token's KV
+
+
+@pytest.fixture(scope="session")
+def legacy_v1(tmp_path_factory):
+    """A conversation stored, and reopened, by kvchat as of ``LEGACY_COMMIT``: that version's code is taken from
+    the repository's history (``git archive``) and runs tests/data/legacy-v1/make.py with a tiny random model
+    (about 6 s); the folder holds its kv.db, archive/ and expected.pt (the cache that version reopened)."""
+    import os
+    import subprocess
+    import sys
 
     from helpers import REPO
 
-    shutil.copytree(REPO / "tests" / "data" / "legacy-v1", tmp_path / "legacy")
+    base = tmp_path_factory.mktemp("legacy-v1")
+    src = base / "src"
+    src.mkdir()
+    tree = subprocess.run(["git", "-C", str(REPO), "archive", LEGACY_COMMIT], capture_output=True)
+    if tree.returncode != 0:
+        pytest.skip(f"needs the repository's history (commit {LEGACY_COMMIT}) to build the old version's "
+                    f"conversation: {tree.stderr.decode().strip()[:200]}")
+    subprocess.run(["tar", "-x", "-C", str(src)], input=tree.stdout, check=True)
+    (base / "kvchat").symlink_to(src)
+    (src / "make.py").write_bytes((REPO / "tests" / "data" / "legacy-v1" / "make.py").read_bytes())
+    env = dict(os.environ, PYTHONPATH=str(base), HF_HUB_OFFLINE="1")
+    run = subprocess.run([sys.executable, str(src / "make.py"), str(base / "out")], env=env, capture_output=True,
+                         text=True, cwd=base)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return base / "out"
+
+
+def test_a_conversation_of_the_old_archive_reopens_exactly_and_moves_to_the_new_form(tiny, tmp_path, legacy_v1):
+    """A conversation stored by kvchat before the bounded storage (its archive kept every token's KV: made by that
+    version, ``legacy_v1``) reopens with exactly the cache that version reopened it with; after the next turn its
+    old files are gone and it reopens exactly from the new ones."""
+    import shutil
+
+    shutil.copytree(legacy_v1, tmp_path / "legacy")
     expected = torch.load(tmp_path / "legacy" / "expected.pt")
     store = Store(tmp_path / "legacy" / "kv.db")
     (conv,) = store.conversations()

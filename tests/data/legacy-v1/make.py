@@ -1,9 +1,10 @@
-"""How tests/data/legacy-v1 was made: a conversation stored by kvchat as of commit db83950, whose archive kept every
-token's KV (kv.bin), reopened by that version to record the cache it gave (expected.pt).
+"""Makes the old-format conversation tests/test_durability.py reopens (its ``legacy_v1`` fixture runs this): a
+conversation stored by kvchat as of commit db83950, whose archive kept every token's KV (kv.bin), reopened by that
+version to record the cache it gave (expected.pt).
 
-Run against that commit, not this one: ``git worktree add /tmp/old db83950; mkdir -p /tmp/gen; ln -s /tmp/old
-/tmp/gen/kvchat; cp tests/data/legacy-v1/make.py /tmp/old/; PYTHONPATH=/tmp/gen .venv/bin/python /tmp/old/make.py OUT``
-(then checkpoint OUT/kv.db's WAL into it). tests/test_durability.py reopens it with the current code."""
+Run against that commit's code, not this one's; the fixture does it with ``git archive db83950``, the file placed
+at that tree's root (it imports the tree's tests/tinymodels) and the tree on PYTHONPATH as ``kvchat``:
+``python make.py OUT``."""
 import shutil, sys
 from pathlib import Path
 import torch
