@@ -13,6 +13,8 @@ waits for. ``ms_per_token`` is the median over steps without a compression; each
 (``compress_ms``) and amortized over the ``slack`` steps between compressions in a long chat. The roofline divides
 the bytes a step must read — every weight matrix once, and the cache's key and value buffers (budget + slack per
 head), which attention reads whole — by the bandwidth of a device-to-device copy measured in the same run.
+``graph_ms``: the device's time for one replay of the captured step alone (CUDA events over 50 replays), what the
+step costs without the engine around it.
 
 Beside them, at the same context length: transformers' ``generate`` with a DynamicCache (SDPA; per token, the time
 for ``--steps`` new tokens less the time for one), and a static cache with the forward compiled by ``torch.compile``
@@ -39,6 +41,7 @@ from ..core.engine.session import Sampling, Session
 from ..core.engine.settings import Settings
 from ..core.model.loading import ChatModel, default_model_dir, load_model
 from ..policies import POLICIES
+from . import speed_cuda_baselines as baselines
 from .common import Run, log
 
 NAME = "speed-cuda"
@@ -100,6 +103,11 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _text(cm, n: int, seed: int) -> str:
+    """A user message of ``n`` random tokens (less what the engine refuses in a message: NUL characters)."""
+    return cm.tokenizer.decode(_random_ids(cm, n, seed)).replace("\x00", "")
+
+
 def _random_ids(cm, n: int, seed: int) -> list[int]:
     special = set(getattr(cm.tokenizer, "all_special_ids", []))
     gen = torch.Generator().manual_seed(seed)
@@ -159,76 +167,32 @@ def policy_cell(cm, policy: str, budget: int, steps: int, device: str) -> dict:
     before = (step.captures, step.replays, step.eager_calls) if isinstance(step, GraphStep) else None
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    out = timed_reply(session, cm.tokenizer.decode(_random_ids(cm, 24, 2)), steps, device)
+    out = timed_reply(session, _text(cm, 24, 2), steps, device)
     out.update(policy=policy, budget=budget if POLICIES[policy].bounded else None, history=history, slack=slack)
     if before is not None:
         out.update(captures=step.captures - before[0], replays=step.replays - before[1],
                    eager_steps=step.eager_calls - before[2])
     if device == "cuda":
         out["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        plan = step._plans.get(session.cache) if before is not None else None
+        if plan is not None and plan.graph is not None:  # the step alone: the device's time for one replay
+            plan.graph.replay()
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(), [plan.graph.replay() for _ in range(50)], b.record(), b.synchronize()
+            out["graph_ms"] = a.elapsed_time(b) / 50
     squeezes = out["compress_ms"]
     out["compress_ms_per_token"] = statistics.mean(squeezes) / slack if squeezes else 0.0
     session.close()
     return out
 
 
-def transformers_generate_ms(cm, ids: list[int], steps: int, device: str) -> float:
-    """transformers' ``generate`` with a DynamicCache and SDPA: ms per token beyond the first (greedy)."""
-    model = cm.model
-    model.set_attn_implementation("sdpa")
-    x = torch.tensor([ids], device=device)
-    kwargs = dict(do_sample=False, cache_implementation="dynamic", pad_token_id=0)
-    try:
-        with torch.no_grad():
-            model.generate(x, max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm up
-            times = []
-            for n in (1, steps):
-                _sync(device)
-                t = time.perf_counter()
-                model.generate(x, max_new_tokens=n, min_new_tokens=n, **kwargs)
-                _sync(device)
-                times.append(time.perf_counter() - t)
-    finally:
-        model.set_attn_implementation("kvchat")
-    return 1000 * (times[1] - times[0]) / (steps - 1)
-
-
-def transformers_compiled_ms(cm, ids: list[int], steps: int, device: str) -> dict:
-    """A static cache and the forward compiled with CUDA graphs (``mode="reduce-overhead"``), stepped by hand:
-    ms per token (the token's id read back each step, as streaming needs), and the compile's seconds."""
-    from transformers import StaticCache
-
-    model = cm.model
-    model.set_attn_implementation("sdpa")
-    cache = StaticCache(config=model.config, max_cache_len=len(ids) + steps + 8)
-    arg = {cm.cache_arg: cache}
-    compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
-    try:
-        with torch.no_grad():
-            x = torch.tensor([ids], device=device)
-            out = model(input_ids=x, cache_position=torch.arange(len(ids), device=device), use_cache=True,
-                        logits_to_keep=1, **arg)
-            token = out.logits[:, -1:].argmax(-1)
-            times, t0 = [], time.perf_counter()
-            for i in range(steps + 3):
-                at = torch.tensor([len(ids) + i], device=device)
-                t = time.perf_counter()
-                torch.compiler.cudagraph_mark_step_begin()
-                out = compiled(input_ids=token, position_ids=at[None], cache_position=at, use_cache=True, **arg)
-                token = out.logits[:, -1:].argmax(-1).clone()
-                int(token)
-                times.append(time.perf_counter() - t)
-                if i == 2:
-                    compile_s = time.perf_counter() - t0
-    finally:
-        model.set_attn_implementation("kvchat")
-    return {"ms": 1000 * statistics.median(times[3:]), "compile_s": compile_s}
-
-
-def chat_cell(cm, budget: int, turns: list[int], prompts: list[int], replay_turns: int, device: str) -> dict:
-    """TTFT at turns ``turns`` of a generated chat, and the peak GPU memory of turn 100 and turn ``replay_turns``."""
+def chat_cell(cm, budget: int, turns: list[int], prompts: list[int], replay_turns: int, device: str,
+              out: dict, saved=lambda: None) -> None:
+    """TTFT at turns ``turns`` of a generated chat, and the peak GPU memory of turn 100 and turn ``replay_turns``,
+    into ``out`` as they are measured (``saved()`` every 250 turns: a run stopped early keeps what it measured)."""
     session = Session(cm, Settings(policy="streaming", budget=budget), sampling=Sampling(temperature=0.0))
-    ttft, peaks = [], {}
+    ttft, peaks = out.setdefault("ttft", []), out.setdefault("peak_mb", {})
+    out["base_mb"] = torch.cuda.memory_allocated() / 2**20 if device == "cuda" else 0.0  # weights, other models
     last = max(max(turns), replay_turns)
     seed = 10
     while session.turn < last:
@@ -236,7 +200,7 @@ def chat_cell(cm, budget: int, turns: list[int], prompts: list[int], replay_turn
         nxt = session.turn + 1
         if nxt in turns:
             for n in prompts:
-                res = session.chat(cm.tokenizer.decode(_random_ids(cm, n, seed)), max_new_tokens=1)
+                res = session.chat(_text(cm, n, seed), max_new_tokens=1)
                 ttft.append({"turn": session.turn, "prompt_tokens": res.prompt_tokens, "ttft_ms": res.prefill_ms,
                              "recalled_tokens": res.recalled_tokens, "history_tokens": session.total_tokens})
                 log(f"speed-cuda {cm.name} TTFT turn {session.turn}: {res.prompt_tokens}-token message "
@@ -244,12 +208,13 @@ def chat_cell(cm, budget: int, turns: list[int], prompts: list[int], replay_turn
             continue
         if device == "cuda" and nxt in (100, replay_turns):
             torch.cuda.reset_peak_memory_stats()
-        session.chat(cm.tokenizer.decode(_random_ids(cm, 24, seed)), max_new_tokens=CHAT_REPLY)
+        session.chat(_text(cm, 24, seed), max_new_tokens=CHAT_REPLY)
         if device == "cuda" and nxt in (100, replay_turns):
             peaks[nxt] = torch.cuda.max_memory_allocated() / 2**20
-    out = {"ttft": ttft, "peak_mb": peaks, "turns": session.turn, "tokens": session.total_tokens}
+        out.update(turns=session.turn, tokens=session.total_tokens)
+        if session.turn % 250 == 0:
+            log(f"speed-cuda {cm.name} chat: turn {session.turn}, {session.total_tokens} tokens"), saved()
     session.close()
-    return out
 
 
 def grid(args, cm, name: str, entry: dict, budget: int, gbs: float, device: str) -> None:
@@ -258,28 +223,41 @@ def grid(args, cm, name: str, entry: dict, budget: int, gbs: float, device: str)
     for p in args.policies + ["full"]:
         if p == "full" and any(r["policy"] == "full" for r in rows):
             continue  # the full cache does not depend on the budget
-        row = policy_cell(cm, p, budget, args.steps, device)
+        try:
+            row = policy_cell(cm, p, budget, args.steps, device)
+        except Exception as exc:  # noqa: BLE001 — one failing policy is reported; the others are still measured
+            rows.append({"policy": p, "budget": budget, "error": _failure(exc)})
+            log(f"speed-cuda {name} budget {budget} {p}: failed ({rows[-1]['error']})")
+            continue
         row["roofline_ms"] = 1000 * (weights + row["kv_bytes"]) / (gbs * 1e9)
         row["roofline_ratio"] = row["ms_per_token"] / row["roofline_ms"]
         rows.append(row)
         log(f"speed-cuda {name} budget {budget} {p:10s}: {row['ms_per_token']:.3f} ms/token "
-            f"(x{row['roofline_ratio']:.2f} roofline), mean {row['ms_mean']:.3f}, compressions "
+            f"(x{row['roofline_ratio']:.2f} roofline; replay {row.get('graph_ms', 0):.3f} ms), mean {row['ms_mean']:.3f}, compressions "
             f"{', '.join(f'{c:.1f}' for c in row['compress_ms']) or '-'} ms, peak {row.get('peak_mb', 0):.0f} MiB")
     context = _random_ids(cm, budget + Settings(budget=budget).slack_tokens - 64, 1)
-    references = [("transformers", transformers_generate_ms)]
+    references = [("transformers", baselines.generate_ms)]
     if args.compiled_reference and budget == args.budgets[0]:  # compiling again for each cache length: a minute each
-        references.append(("transformers-compiled", transformers_compiled_ms))
+        references.append(("transformers-compiled", baselines.compiled_ms))
     for label, fn in references:
         try:
             got = fn(cm, context, args.steps, device)
         except Exception as exc:  # noqa: BLE001 — a baseline that fails is reported, not fatal
-            rows.append({"policy": label, "budget": budget, "error": f"{type(exc).__name__}: {exc}"[:300]})
-            log(f"speed-cuda {name} budget {budget} {label}: failed ({type(exc).__name__}: {exc})")
+            rows.append({"policy": label, "budget": budget, "error": _failure(exc)})
+            log(f"speed-cuda {name} budget {budget} {label}: failed ({rows[-1]['error']})")
             continue
         got = got if isinstance(got, dict) else {"ms": got}
         rows.append({"policy": label, "budget": budget, "ms_per_token": got.pop("ms"), "context": len(context), **got})
         log(f"speed-cuda {name} budget {budget} {label}: {rows[-1]['ms_per_token']:.3f} ms/token at {len(context)} "
             "positions")
+
+
+def _failure(exc: Exception) -> str:
+    """One line: the exception and the innermost frames that raised it."""
+    import traceback
+
+    where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_tb(exc.__traceback__)[:-4:-1])
+    return f"{type(exc).__name__}: {str(exc)[:300]} [{where}]"
 
 
 def _save(run: Run, path: Path | None) -> None:
@@ -319,8 +297,13 @@ def run(args, run: Run, cm=None) -> None:
     for i, (name, cm) in enumerate(built.items()):
         turns = args.replay_turns if i == 0 else 0  # the long chat once: its memory is the engine's, not the shape's
         if args.ttft_turns or turns:
-            run.rows["shapes"][name]["chat"] = chat_cell(cm, args.budgets[0], args.ttft_turns, args.ttft_prompts,
-                                                         turns, device)
+            chat = run.rows["shapes"][name]["chat"] = {"ttft": [], "peak_mb": {}}
+            try:
+                chat_cell(cm, args.budgets[0], args.ttft_turns, args.ttft_prompts, turns, device, chat,
+                          lambda: _save(run, partial))
+            except Exception as exc:  # noqa: BLE001 — reported; what the chat measured before it stays
+                chat["error"] = _failure(exc)
+                log(f"speed-cuda {name} chat: failed at turn {chat.get('turns')} ({chat['error']})")
             _save(run, partial)
     del built, cm
     if device == "cuda":
@@ -341,36 +324,40 @@ def checks(run: Run) -> None:
         peaks = entry.get("chat", {}).get("peak_mb", {})
         if len(peaks) == 2:
             a, b = peaks.values()
-            run.check(f"{name}: peak GPU memory flat over the chat", b <= a * 1.02,
-                      f"turn {' vs turn '.join(map(str, peaks))}: {a:.0f} vs {b:.0f} MiB")
+            base = entry["chat"].get("base_mb", 0.0)  # the chat's own: above what was allocated before it
+            run.check(f"{name}: peak GPU memory flat over the chat", b - base <= (a - base) * 1.02,
+                      f"turn {' vs turn '.join(map(str, peaks))}: {a - base:.0f} vs {b - base:.0f} MiB")
 
 
 def markdown(res: dict) -> str:
     rows = res["results"]
-    lines = [f"Device: {rows['device']}; copy bandwidth {', '.join(f'{g:.0f}' for g in rows['bandwidth_gbs'])} "
-             f"GB/s (start, end).", ""]
+    bands = rows["bandwidth_gbs"]
+    lines = [f"Device: {rows['device']}; copy bandwidth {', '.join(f'{g:.0f}' for g in bands)} GB/s "
+             + ("(start, end)." if len(bands) > 1 else "(start; the run was stopped by its time limit before its "
+                "end: what it measured until then)."), ""]
     for name, entry in rows["shapes"].items():
         lines += [f"**{name}** ({entry['weight_bytes'] / 2**30:.2f} GiB of weights per step, decode step "
                   f"{entry['step']}):", "",
-                  "| budget | policy | ms/token | tokens/s | × roofline | compression ms (per token) | peak MiB |",
-                  "| --- | --- | --- | --- | --- | --- | --- |"]
+                  "| budget | policy | ms/token | tokens/s | × roofline | replay ms | compression ms (per token) | "
+                  "peak MiB |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in entry["rows"]:
             if "error" in r:
-                lines.append(f"| {r['budget']} | {r['policy']} | failed: {r['error'][:80]} | | | | |")
+                lines.append(f"| {r['budget']} | {r['policy']} | failed: {r['error'][:80]} | | | | | |")
                 continue
             ms = r["ms_per_token"]
             squeeze = (f"{statistics.mean(r['compress_ms']):.1f} ({r['compress_ms_per_token']:.3f})"
                        if r.get("compress_ms") else "–")
+            replay = f"{r['graph_ms']:.3f}" if "graph_ms" in r else "–"
             lines.append(f"| {r['budget'] or '–'} | {r['policy']} | {ms:.3f} | {1000 / ms:.0f} | "
-                         f"{r['roofline_ratio']:.2f} | {squeeze} | {r.get('peak_mb', 0):.0f} |"
+                         f"{r['roofline_ratio']:.2f} | {replay} | {squeeze} | {r.get('peak_mb', 0):.0f} |"
                          if "roofline_ratio" in r else
-                         f"| {r['budget']} | {r['policy']} | {ms:.3f} | {1000 / ms:.0f} | | | |")
+                         f"| {r['budget']} | {r['policy']} | {ms:.3f} | {1000 / ms:.0f} | | | | |")
         chat = entry.get("chat")
         if chat:
             lines += ["", "TTFT: " + "; ".join(f"turn {t['turn']}, {t['prompt_tokens']} tokens: {t['ttft_ms']:.1f} ms"
                                                for t in chat["ttft"]),
-                      "Peak GPU memory of a chat turn: " + ", ".join(f"turn {k}: {v:.0f} MiB"
-                                                                    for k, v in chat["peak_mb"].items())]
+                      "Peak GPU memory of a chat turn above the weights (allocated before the chat): " +
+                      ", ".join(f"turn {k}: {v - chat.get('base_mb', 0):.0f} MiB" for k, v in chat["peak_mb"].items())]
         lines.append("")
     return "\n".join(lines)
 

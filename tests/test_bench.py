@@ -162,5 +162,6 @@ def test_gpu_speed_bench_runs_its_whole_grid_on_a_tiny_model(default_dir, tmp_pa
     assert rows[3]["ms_per_token"] > 0 and "error" not in rows[3]
     ttft = run.rows["shapes"]["tiny"]["chat"]["ttft"]
     assert [t["turn"] for t in ttft] == [3, 4] and all(t["ttft_ms"] > 0 for t in ttft)
+    assert "error" not in run.rows["shapes"]["tiny"]["chat"]
     assert all(c["ok"] for c in run.checks)
     assert "| 64 | streaming |" in speed_cuda.markdown(run.result())

@@ -155,37 +155,64 @@ def test_draw_samples_each_token_with_its_probability():
 BF16 = 3e-2  # tiny models' logits and kept tensors in bf16: the graph's fp32 attention against SDPA's
 
 
-@cuda
-@pytest.mark.cuda
-@pytest.mark.parametrize("policy", list(POLICIES))
-def test_captured_graph_gives_the_eager_steps_logits(policy, tokenizer):
-    """bf16 on the GPU, every policy: the captured step's logits within bf16 tolerance of kvchat's eager step on the
-    same cache, step by step through compressions; the graph replays every step."""
-    eager, graph = _pair("llama", tokenizer, device="cuda", dtype=torch.bfloat16)
-    assert isinstance(eager.step, GraphStep)  # auto on CUDA: the graph
-    eager.step = DecodeStep(eager.model)
-    sessions = [Session(cm, _settings(policy), system=None, sampling=GREEDY) for cm in (eager, graph)]
+def _bf16_errors(policy, tokenizer, device):
+    """40 decode steps through compressions of the same tiny model three times: kvchat's eager step and the graph
+    step in bf16, and the eager step in fp32 over the same (bf16-rounded) weights. Each bf16 step's logits' relative
+    error ‖x − fp32‖ / ‖fp32‖ per step, and the graph step's counters."""
+    eager, graph = _pair("llama", tokenizer, device=device, dtype=torch.bfloat16)
+    exact = ChatModel.from_pretrained_model(build_tiny("llama", tokenizer).to(device=device, dtype=torch.bfloat16)
+                                            .float(), tokenizer, name="tiny-fp32", decode="auto")
+    eager.step, exact.step = DecodeStep(eager.model), DecodeStep(exact.model)
+    sessions = [Session(cm, _settings(policy), system=None, sampling=GREEDY) for cm in (eager, graph, exact)]
     torch.manual_seed(1)
     prompt = torch.randint(10, 1000, (40,)).tolist()
     for s in sessions:
         s.feed_raw(prompt, score=False)
     idx = len(sessions[0].messages) - 1
-    token = int(sessions[0].last_logits.argmax())
+    token, errors = int(sessions[2].last_logits.argmax()), ([], [])
     for _ in range(40):
-        logits = [s._feed([([token], idx)], continue_message=True)[0] for s in sessions]
-        torch.testing.assert_close(logits[1].float(), logits[0].float(), atol=BF16, rtol=BF16)
-        token = int(logits[0].argmax())
-    step = graph.step
+        *low, ref = [s._feed([([token], idx)], continue_message=True)[0].float() for s in sessions]
+        for out, x in zip(errors, low):
+            out.append(((x - ref).norm() / ref.norm()).item())
+        token = int(ref.argmax())
+    assert sessions[1].evicted_total > 0 or not POLICIES[policy].bounded
+    return errors, graph.step
+
+
+def _as_accurate(errors) -> None:
+    """The graph step's bf16 error, averaged over the steps, at most 1.5× the eager step's (the two round
+    differently: on the CPU the graph's is 0.87-1.06× the eager step's, each 2-5% on a tiny random model's
+    near-flat logits; an error in the step itself — a wrong slot, a missed mask — is of the logits' own size)."""
+    eager, graph = (sum(e) / len(e) for e in errors)
+    assert graph <= 1.5 * eager + 1e-3, (graph, eager)
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o"])
+def test_graph_step_in_bf16_is_as_accurate_as_the_eager_step(policy, tokenizer):
+    """bf16 on the CPU (uncaptured): what the test below checks on a GPU, for two policies."""
+    errors, step = _bf16_errors(policy, tokenizer, "cpu")
+    _as_accurate(errors)
+    assert step.replays == 40 and step.eager_calls == 0
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_captured_graph_is_as_accurate_as_the_eager_step(policy, tokenizer):
+    """bf16 on the GPU, every policy, step by step through compressions: the captured step against kvchat's eager
+    step, both against fp32; the graph replays every step, capturing again only for a new capacity."""
+    errors, step = _bf16_errors(policy, tokenizer, "cuda")
+    _as_accurate(errors)
     assert step.captures >= 1 and step.replays == 40 and step.eager_calls == 0
-    if POLICIES[policy].bounded:
-        assert sessions[1].evicted_total > 0
-        assert step.captures <= (1 if policy not in ("cake", "headaware") else 20)
+    assert step.captures <= (1 if policy not in ("cake", "headaware") else 20)
 
 
 @cuda
 @pytest.mark.cuda
 def test_captured_graph_budget_larger_than_the_chat_gives_the_full_caches_tokens(tokenizer):
-    eager, graph = _pair("llama", tokenizer, device="cuda", dtype=torch.bfloat16)
+    """fp32 (no TF32 in matrix products by default): in bf16 the two steps' different roundings flip a tiny random
+    model's near-ties, which says nothing about the cache."""
+    eager, graph = _pair("llama", tokenizer, device="cuda", dtype=torch.float32)
     eager.step = DecodeStep(eager.model)
     full = Session(eager, Settings(policy="full"), sampling=GREEDY)
     bounded = Session(graph, Settings(policy="streaming", budget=400), sampling=GREEDY)

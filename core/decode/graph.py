@@ -26,6 +26,7 @@ the eager step there, and tests marked ``cuda`` compare the captured step on a G
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 import weakref
@@ -91,7 +92,6 @@ class GraphStep(DecodeStep):
         self._fuse()
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> _Plan
         self._lock = threading.Lock()  # sessions sharing the model in several threads: one capture or replay at a time
-        self._pool = torch.cuda.graph_pool_handle() if self.capture else None
         self.captures = self.replays = self.eager_calls = 0
         self.capture_ms: list[float] = []
 
@@ -227,8 +227,16 @@ class GraphStep(DecodeStep):
                 t_.copy_(copy)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            plan.logits = self._body(plan, cache)
+        # Each graph has its own memory pool, freed with it: one pool shared by every plan outlived the graphs of
+        # closed sessions, and capturing into it again failed inside the allocator (an H200, torch 2.11). No
+        # garbage collection while capturing (torch.cuda.graph collects just before): a tensor freed by the collector
+        # then would invalidate the capture.
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                plan.logits = self._body(plan, cache)
+        finally:
+            gc.enable()
         plan.graph = graph
         self.captures += 1
         self.capture_ms.append(1000 * (time.perf_counter() - t))
@@ -297,11 +305,19 @@ class GraphStep(DecodeStep):
                 acc.index_put_((index.flatten(),), probs.mean(1).flatten(), accumulate=True)
         return torch.bmm(probs.to(values.dtype), values)
 
+_OUT_DTYPE = True  # cuBLAS multiplies bf16/fp16 into fp32 sums (``out_dtype``); False once a build refuses it
+
+
 def _scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """q @ keys ([b, m, d] @ [b, d, n]) in fp32: bf16/fp16 inputs multiplied by cuBLAS with the fp32 sums kept
-    (``out_dtype``, CUDA), where a bf16 output would round every logit to three digits before the softmax."""
+    (``out_dtype``, CUDA), where a bf16 output would round every logit to three digits before the softmax. A torch
+    without that operator on the device multiplies fp32 copies instead (found on the first, uncaptured run)."""
+    global _OUT_DTYPE
     if q.dtype == torch.float32:
         return torch.bmm(q, keys)
-    if q.device.type == "cuda":
-        return torch.bmm(q, keys, out_dtype=torch.float32)
+    if q.device.type == "cuda" and _OUT_DTYPE:
+        try:
+            return torch.bmm(q, keys, out_dtype=torch.float32)
+        except (RuntimeError, NotImplementedError, TypeError):
+            _OUT_DTYPE = False
     return torch.bmm(q.float(), keys.float())

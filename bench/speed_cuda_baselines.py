@@ -1,0 +1,67 @@
+"""What ``kvchat bench speed --device cuda`` measures kvchat against, at the same context length: transformers'
+``generate`` with a DynamicCache, and a static cache with the forward compiled with CUDA graphs."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def generate_ms(cm, ids: list[int], steps: int, device: str) -> float:
+    """transformers' ``generate`` with a DynamicCache and SDPA: ms per token beyond the first (greedy)."""
+    model = cm.model
+    model.set_attn_implementation("sdpa")
+    x = torch.tensor([ids], device=device)
+    kwargs = dict(do_sample=False, cache_implementation="dynamic", pad_token_id=0)
+    try:
+        with torch.no_grad():
+            model.generate(x, max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm up
+            times = []
+            for n in (1, steps):
+                _sync(device)
+                t = time.perf_counter()
+                model.generate(x, max_new_tokens=n, min_new_tokens=n, **kwargs)
+                _sync(device)
+                times.append(time.perf_counter() - t)
+    finally:
+        model.set_attn_implementation("kvchat")
+    return 1000 * (times[1] - times[0]) / (steps - 1)
+
+
+def compiled_ms(cm, ids: list[int], steps: int, device: str) -> dict:
+    """A static cache and the forward compiled with CUDA graphs (``mode="reduce-overhead"``), stepped by hand:
+    ms per token (the token's id read back each step, as streaming needs), and the compile's seconds."""
+    from transformers import StaticCache
+
+    model = cm.model
+    model.set_attn_implementation("sdpa")
+    cache = StaticCache(config=model.config, max_cache_len=len(ids) + steps + 8)
+    arg = {cm.cache_arg: cache}
+    compiled = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    try:
+        with torch.no_grad():
+            x = torch.tensor([ids], device=device)
+            out = model(input_ids=x, cache_position=torch.arange(len(ids), device=device), use_cache=True,
+                        logits_to_keep=1, **arg)
+            token = out.logits[:, -1:].argmax(-1)
+            times, t0 = [], time.perf_counter()
+            for i in range(steps + 3):
+                at = torch.tensor([len(ids) + i], device=device)
+                t = time.perf_counter()
+                torch.compiler.cudagraph_mark_step_begin()
+                out = compiled(input_ids=token, position_ids=at[None], cache_position=at, use_cache=True, **arg)
+                token = out.logits[:, -1:].argmax(-1).clone()
+                int(token)
+                times.append(time.perf_counter() - t)
+                if i == 2:
+                    compile_s = time.perf_counter() - t0
+    finally:
+        model.set_attn_implementation("kvchat")
+    return {"ms": 1000 * statistics.median(times[3:]), "compile_s": compile_s}
