@@ -36,9 +36,11 @@ OTHER_FLAGS = (
      "`--weights half` and a C++ compiler on kvchat's operators, `core/ops/kernels.py`: one call per layer), other "
      "models through their forward; `graph`: the whole step (every layer, the cache write, attention, the policy's "
      "statistics) captured once as a CUDA graph over the cache's fixed-capacity buffers and replayed per token "
-     "(`core/decode/graph.py`; uncaptured on the CPU); `compiled`: that step, every layer in one `torch.compile` graph (fp32 models on "
-     "the CPU; a minute or two to compile the first time, seconds once inductor's cache has it; eager step if "
-     "compiling fails); `model`: every step through the model's forward"),
+     "(`core/decode/graph.py`; uncaptured on the CPU); `compiled`: on the CPU the eager step, every layer in one "
+     "`torch.compile` graph (fp32 models; a minute or two to compile the first time, seconds once inductor's cache "
+     "has it; eager step if compiling fails), on CUDA the graph step with each layer compiled by `torch.compile` "
+     "into fused kernels before it is captured (the graph step uncompiled if compiling fails); `model`: every step "
+     "through the model's forward"),
     ("`--chat-template`", "the model's",
      "`plain` or a Jinja file for models without one (GPT-2 gets `plain` automatically)"),
     ("`--db`", "`$KVCHAT_HOME/kvchat.db`", "SQLite database"),

@@ -14,7 +14,9 @@ waits for. ``ms_per_token`` is the median over steps without a compression; each
 the bytes a step must read — every weight matrix once, and the cache's key and value buffers (budget + slack per
 head), which attention reads whole — by the bandwidth of a device-to-device copy measured in the same run.
 ``graph_ms``: the device's time for one replay of the captured step alone (CUDA events over 50 replays), what the
-step costs without the engine around it.
+step costs without the engine around it. The grid runs once per ``--graph-variants`` on the same model: the graph
+step as written (``graph``) and with each layer compiled by ``torch.compile`` before the capture (``compiled``,
+what ``--decode compiled`` runs on CUDA; ``capture_ms`` includes the compiling).
 
 Beside them, at the same context length: transformers' ``generate`` with a DynamicCache (SDPA; per token, the time
 for ``--steps`` new tokens less the time for one), and a static cache with the forward compiled by ``torch.compile``
@@ -164,22 +166,21 @@ def policy_cell(cm, policy: str, budget: int, steps: int, device: str) -> dict:
     session = Session(cm, settings, system=None, sampling=Sampling(temperature=0.0))
     session.feed_raw(_random_ids(cm, history, 1), score=False)
     step = cm.step
-    before = (step.captures, step.replays, step.eager_calls) if isinstance(step, GraphStep) else None
+    before = (step.captures, step.replays, step.eager_calls, len(step.capture_ms)) if isinstance(step, GraphStep) \
+        else None
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     out = timed_reply(session, _text(cm, 24, 2), steps, device)
     out.update(policy=policy, budget=budget if POLICIES[policy].bounded else None, history=history, slack=slack)
     if before is not None:
         out.update(captures=step.captures - before[0], replays=step.replays - before[1],
-                   eager_steps=step.eager_calls - before[2])
+                   eager_steps=step.eager_calls - before[2], capture_ms=step.capture_ms[before[3]:],
+                   step=_variant(step), compile_error=step.compile_error)
     if device == "cuda":
         out["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
-        plan = step._plans.get(session.cache) if before is not None else None
-        if plan is not None and plan.graph is not None:  # the step alone: the device's time for one replay
-            plan.graph.replay()
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record(), [plan.graph.replay() for _ in range(50)], b.record(), b.synchronize()
-            out["graph_ms"] = a.elapsed_time(b) / 50
+        replay = step.replay_ms(session.cache) if before is not None else None
+        if replay is not None:  # the step alone: the device's time for one replay
+            out["graph_ms"] = replay
     squeezes = out["compress_ms"]
     out["compress_ms_per_token"] = statistics.mean(squeezes) / slack if squeezes else 0.0
     session.close()
@@ -217,11 +218,12 @@ def chat_cell(cm, budget: int, turns: list[int], prompts: list[int], replay_turn
     session.close()
 
 
-def grid(args, cm, name: str, entry: dict, budget: int, gbs: float, device: str) -> None:
-    """Every policy at ``budget``, then transformers beside them at the same length."""
+def grid(args, cm, name: str, entry: dict, budget: int, gbs: float, device: str, references: bool = True) -> None:
+    """Every policy at ``budget``, then (``references``) transformers beside them at the same length."""
     rows, weights = entry["rows"], entry["weight_bytes"]
+    variant = _variant(cm.step)
     for p in args.policies + ["full"]:
-        if p == "full" and any(r["policy"] == "full" for r in rows):
+        if p == "full" and any(r["policy"] == "full" and r.get("step", variant) == variant for r in rows):
             continue  # the full cache does not depend on the budget
         try:
             row = policy_cell(cm, p, budget, args.steps, device)
@@ -232,14 +234,16 @@ def grid(args, cm, name: str, entry: dict, budget: int, gbs: float, device: str)
         row["roofline_ms"] = 1000 * (weights + row["kv_bytes"]) / (gbs * 1e9)
         row["roofline_ratio"] = row["ms_per_token"] / row["roofline_ms"]
         rows.append(row)
-        log(f"speed-cuda {name} budget {budget} {p:10s}: {row['ms_per_token']:.3f} ms/token "
+        log(f"speed-cuda {name} {variant} budget {budget} {p:10s}: {row['ms_per_token']:.3f} ms/token "
             f"(x{row['roofline_ratio']:.2f} roofline; replay {row.get('graph_ms', 0):.3f} ms), mean {row['ms_mean']:.3f}, compressions "
             f"{', '.join(f'{c:.1f}' for c in row['compress_ms']) or '-'} ms, peak {row.get('peak_mb', 0):.0f} MiB")
+    if not references:
+        return
     context = _random_ids(cm, budget + Settings(budget=budget).slack_tokens - 64, 1)
-    references = [("transformers", baselines.generate_ms)]
+    baseline = [("transformers", baselines.generate_ms)]
     if args.compiled_reference and budget == args.budgets[0]:  # compiling again for each cache length: a minute each
-        references.append(("transformers-compiled", baselines.compiled_ms))
-    for label, fn in references:
+        baseline.append(("transformers-compiled", baselines.compiled_ms))
+    for label, fn in baseline:
         try:
             got = fn(cm, context, args.steps, device)
         except Exception as exc:  # noqa: BLE001 — a baseline that fails is reported, not fatal
@@ -250,6 +254,13 @@ def grid(args, cm, name: str, entry: dict, budget: int, gbs: float, device: str)
         rows.append({"policy": label, "budget": budget, "ms_per_token": got.pop("ms"), "context": len(context), **got})
         log(f"speed-cuda {name} budget {budget} {label}: {rows[-1]['ms_per_token']:.3f} ms/token at {len(context)} "
             "positions")
+
+
+def _variant(step) -> str:
+    """Which step decodes: ``graph``, ``compiled`` (the graph step's layers compiled first), else its class."""
+    if isinstance(step, GraphStep):
+        return "compiled" if step.compiled else "graph"
+    return type(step).__name__ if step is not None else "model"
 
 
 def _failure(exc: Exception) -> str:
@@ -291,9 +302,14 @@ def run(args, run: Run, cm=None) -> None:
         weights = weight_bytes(cm.model)
         entry = run.rows["shapes"][name] = {"weight_bytes": weights, "rows": [], "step": type(cm.step).__name__}
         log(f"speed-cuda {name}: {weights / 2**30:.2f} GiB of weights per step, decode step {entry['step']}")
-        for budget in args.budgets:
-            grid(args, cm, name, entry, budget, gbs, device)
-            _save(run, partial)
+        first = cm.step
+        for i, variant in enumerate(args.graph_variants if isinstance(cm.step, GraphStep) else [None]):
+            if variant is not None and variant != _variant(cm.step):
+                cm.step = GraphStep(cm.model, compiled=variant == "compiled")
+            for budget in args.budgets:
+                grid(args, cm, name, entry, budget, gbs, device, references=i == 0)
+                _save(run, partial)
+        cm.step = first  # the chat decodes with the step --decode picks
     for i, (name, cm) in enumerate(built.items()):
         turns = args.replay_turns if i == 0 else 0  # the long chat once: its memory is the engine's, not the shape's
         if args.ttft_turns or turns:
@@ -341,17 +357,23 @@ def markdown(res: dict) -> str:
                   "| budget | policy | ms/token | tokens/s | × roofline | replay ms | compression ms (per token) | "
                   "peak MiB |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in entry["rows"]:
+            label = r["policy"] + (" · compiled" if r.get("step") == "compiled" else "")
             if "error" in r:
-                lines.append(f"| {r['budget']} | {r['policy']} | failed: {r['error'][:80]} | | | | | |")
+                lines.append(f"| {r['budget']} | {label} | failed: {r['error'][:80]} | | | | | |")
                 continue
             ms = r["ms_per_token"]
             squeeze = (f"{statistics.mean(r['compress_ms']):.1f} ({r['compress_ms_per_token']:.3f})"
                        if r.get("compress_ms") else "–")
             replay = f"{r['graph_ms']:.3f}" if "graph_ms" in r else "–"
-            lines.append(f"| {r['budget'] or '–'} | {r['policy']} | {ms:.3f} | {1000 / ms:.0f} | "
+            lines.append(f"| {r['budget'] or '–'} | {label} | {ms:.3f} | {1000 / ms:.0f} | "
                          f"{r['roofline_ratio']:.2f} | {replay} | {squeeze} | {r.get('peak_mb', 0):.0f} |"
                          if "roofline_ratio" in r else
-                         f"| {r['budget']} | {r['policy']} | {ms:.3f} | {1000 / ms:.0f} | | | | |")
+                         f"| {r['budget']} | {label} | {ms:.3f} | {1000 / ms:.0f} | | | | |")
+        compiles = [c for r in entry["rows"] if r.get("step") == "compiled" for c in r.get("capture_ms", [])]
+        if compiles:
+            failed = sorted({r["compile_error"][:120] for r in entry["rows"] if r.get("compile_error")})
+            lines += ["", f"Compiled step: captures (compiling included) {min(compiles) / 1000:.1f}-"
+                          f"{max(compiles) / 1000:.1f} s" + "".join(f"; compiling failed: {e}" for e in failed)]
         chat = entry.get("chat")
         if chat:
             lines += ["", "TTFT: " + "; ".join(f"turn {t['turn']}, {t['prompt_tokens']} tokens: {t['ttft_ms']:.1f} ms"

@@ -150,18 +150,23 @@ def test_gpu_speed_bench_runs_its_whole_grid_on_a_tiny_model(default_dir, tmp_pa
     speed.add_arguments(p)
     ns = p.parse_args(["--device", "cpu", "--shapes", "tiny", "--budgets", "64", "--steps", "80", "--policies",
                        "streaming", "h2o", "--ttft-turns", "3", "--ttft-prompts", "10", "40", "--replay-turns", "4",
-                       "--no-compiled-reference", "--tokenizer", str(default_dir)])
+                       "--no-compiled-reference", "--graph-variants", "graph", "compiled", "--tokenizer",
+                       str(default_dir)])
     ns.model, ns.decode = "default", "graph"
     run = Run("speed-cuda", False, {})
     speed_cuda.run(ns, run)
     rows = run.rows["shapes"]["tiny"]["rows"]
-    assert [r["policy"] for r in rows] == ["streaming", "h2o", "full", "transformers"]
-    for r in rows[:3]:
+    assert [(r["policy"], r.get("step")) for r in rows] == [
+        ("streaming", "graph"), ("h2o", "graph"), ("full", "graph"), ("transformers", None),
+        ("streaming", "compiled"), ("h2o", "compiled"), ("full", "compiled")]
+    for r in rows[:3] + rows[4:]:
         assert r["ms_per_token"] > 0 and r["roofline_ratio"] > 0 and r["eager_steps"] <= 1 and r["replays"] >= 79
+        assert r["compile_error"] is None
     assert all(r["compress_ms"] for r in rows[:2])  # 80 steps past budget 64 + slack 64 - 64: compressions timed
     assert rows[3]["ms_per_token"] > 0 and "error" not in rows[3]
     ttft = run.rows["shapes"]["tiny"]["chat"]["ttft"]
     assert [t["turn"] for t in ttft] == [3, 4] and all(t["ttft_ms"] > 0 for t in ttft)
     assert "error" not in run.rows["shapes"]["tiny"]["chat"]
     assert all(c["ok"] for c in run.checks)
-    assert "| 64 | streaming |" in speed_cuda.markdown(run.result())
+    report = speed_cuda.markdown(run.result())
+    assert "| 64 | streaming |" in report and "| 64 | streaming · compiled |" in report

@@ -5,7 +5,7 @@ through compressions, budget changes and undo; the tests marked ``cuda`` check t
 import pytest
 import torch
 
-from kvchat.core.decode import GraphStep, build
+from kvchat.core.decode import GraphStep, build, weights
 from kvchat.core.decode.eager import DecodeStep
 from kvchat.core.engine.sampling import Sampler, draw
 from kvchat.core.engine.session import Sampling, Session
@@ -155,7 +155,7 @@ def test_draw_samples_each_token_with_its_probability():
 BF16 = 3e-2  # tiny models' logits and kept tensors in bf16: the graph's fp32 attention against SDPA's
 
 
-def _bf16_errors(policy, tokenizer, device):
+def _bf16_errors(policy, tokenizer, device, compiled=False):
     """40 decode steps through compressions of the same tiny model three times: kvchat's eager step and the graph
     step in bf16, and the eager step in fp32 over the same (bf16-rounded) weights. Each bf16 step's logits' relative
     error ‖x − fp32‖ / ‖fp32‖ per step, and the graph step's counters."""
@@ -163,6 +163,8 @@ def _bf16_errors(policy, tokenizer, device):
     exact = ChatModel.from_pretrained_model(build_tiny("llama", tokenizer).to(device=device, dtype=torch.bfloat16)
                                             .float(), tokenizer, name="tiny-fp32", decode="auto")
     eager.step, exact.step = DecodeStep(eager.model), DecodeStep(exact.model)
+    if compiled:
+        graph.step = GraphStep(graph.model, compiled=True)
     sessions = [Session(cm, _settings(policy), system=None, sampling=GREEDY) for cm in (eager, graph, exact)]
     torch.manual_seed(1)
     prompt = torch.randint(10, 1000, (40,)).tolist()
@@ -205,6 +207,18 @@ def test_captured_graph_is_as_accurate_as_the_eager_step(policy, tokenizer):
     _as_accurate(errors)
     assert step.captures >= 1 and step.replays == 40 and step.eager_calls == 0
     assert step.captures <= (1 if policy not in ("cake", "headaware") else 20)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "headaware"])
+def test_captured_compiled_step_is_as_accurate_as_the_eager_step(policy, tokenizer):
+    """``--decode compiled`` on the GPU: each layer compiled by inductor, then captured; as accurate as the eager
+    step, every step through the graph, nothing left uncompiled."""
+    errors, step = _bf16_errors(policy, tokenizer, "cuda", compiled=True)
+    _as_accurate(errors)
+    assert step.compiled and step.compile_error is None
+    assert step.captures >= 1 and step.replays == 40 and step.eager_calls == 0
 
 
 @cuda
@@ -262,3 +276,37 @@ def test_prefill_on_top_of_the_cache_on_the_gpu_is_the_models(tokenizer):
     finally:
         graph.model.set_attn_implementation("kvchat")
     torch.testing.assert_close(session.last_logits.float(), whole.float(), atol=BF16, rtol=BF16)
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "headaware"])
+def test_compiled_graph_step_gives_the_graph_steps_replies_and_cache(policy, tokenizer):
+    """``--decode compiled`` on CUDA: each layer of the graph step compiled by ``torch.compile`` (inductor fuses a
+    layer's ~25 operations into about a dozen kernels) computes what the step as written does — here on the CPU in
+    fp32, through compressions: the same greedy replies, the same cache within 1e-5."""
+    out = []
+    for compiled in (False, True):
+        cm = ChatModel.from_pretrained_model(build_tiny("llama", tokenizer), tokenizer, name="tiny", decode="graph")
+        cm.step = GraphStep(cm.model, compiled=compiled)
+        session = Session(cm, _settings(policy), sampling=GREEDY)
+        out.append(([session.chat(m).answer for m in MESSAGES], session))
+        assert cm.step.eager_calls <= 1 and cm.step.compile_error is None and cm.step.compiled == compiled
+    (plain, a), (fused, b) = out
+    assert fused == plain and b.evicted_total == a.evicted_total > 0
+    _assert_same_cache(a, b, atol=1e-5)
+
+
+def test_graph_step_over_kvchats_fp16_copies(tokenizer):
+    """``--decode graph`` on the CPU, where the weights default to kvchat's fp16 copies (``--weights half``): the
+    graph step multiplies by them as the eager step does (it once multiplied q/k/v by the q weight alone)."""
+    out = []
+    for decode in ("auto", "graph"):
+        model = build_tiny("llama", tokenizer)
+        weights.apply(model, "half")
+        cm = ChatModel.from_pretrained_model(model, tokenizer, name="tiny-half", decode=decode)
+        session = Session(cm, _settings("h2o"), sampling=GREEDY)
+        out.append(([session.chat(m).answer for m in MESSAGES], session))
+    assert isinstance(out[1][1].model.step, GraphStep) and out[1][1].model.weights == "half"
+    assert out[0][0] == out[1][0]
+    # within fp16 rounding: the graph's products over the copies round their outputs to fp16, kvchat's operators
+    # (the eager step's, where built) keep fp32 sums
+    _assert_same_cache(out[0][1], out[1][1], atol=2e-2)

@@ -2,9 +2,10 @@
 
 * ``eager.DecodeStep`` (``--decode auto``): Llama-family models layer by layer without transformers' dispatch; on
   the CPU with ``--weights half`` one of kvchat's C++ operators per layer (core/ops);
-* ``compiled.CompiledStep`` (``--decode compiled``): that step as one ``torch.compile`` graph (fp32 on the CPU);
+* ``compiled.CompiledStep`` (``--decode compiled`` on the CPU): that step as one ``torch.compile`` graph (fp32);
 * ``graph.GraphStep`` (``--decode graph``, and ``auto`` on CUDA): the whole step captured once as a CUDA graph over
-  the cache's fixed-capacity buffers and replayed per token (on the CPU it runs uncaptured: tests);
+  the cache's fixed-capacity buffers and replayed per token (on the CPU it runs uncaptured: tests); with
+  ``--decode compiled`` on CUDA each layer compiled by ``torch.compile`` first (fused kernels), then captured;
 * ``None`` (``--decode model``, or a model the steps do not serve): every step through the model's forward.
 """
 
@@ -29,11 +30,11 @@ def build(model: nn.Module, decode: str = "auto") -> DecodeStep | None:
     if check(decode) == "model" or DecodeStep.unsupported(model) is not None:
         return None
     on_cuda = next(model.parameters()).device.type == "cuda"
-    if decode == "graph" or (decode == "auto" and on_cuda):
+    if decode == "graph" or (decode in ("auto", "compiled") and on_cuda):
         why = GraphStep.unsupported(model)
         if why is None:
-            return GraphStep(model)
-        log.warning("--decode graph: %s; kvchat's eager step instead", why)
+            return GraphStep(model, compiled=decode == "compiled")
+        log.warning("--decode %s: %s; kvchat's eager step instead", decode, why)
     if decode == "compiled":
         why = CompiledStep.unsupported(model)
         if why is None:

@@ -18,26 +18,36 @@ replay the cache layers only count the token (``KVLayer.advanced``): its positio
 statistics and storage row were written by the graph. Nothing is copied off the device per token but the token id
 the sampler returns.
 
-The graph is CUDA's (``torch.cuda.CUDAGraph``): each capture takes milliseconds. ``torch.compile`` with CUDA graphs
-would fuse the small operations further but compiles for minutes per model and again per capacity; docs/gpu.md
-has what was measured. On the CPU the same step runs without capture (``capture`` False): the tests compare it with
-the eager step there, and tests marked ``cuda`` compare the captured step on a GPU.
+The graph is CUDA's (``torch.cuda.CUDAGraph``): each capture takes milliseconds. A layer is ``graph_layer.layer``,
+a function of tensors and constants: as written it runs about 25 kernels (measured on an H200, the first version's
+43 cost ~100 µs a layer beyond the bytes it reads: docs/gpu.md); with ``compiled`` (``--decode compiled`` on CUDA)
+``torch.compile`` fuses them into about a dozen before the capture, compiling once per layer shape (all layers of a
+model share one) and cache capacity. On the CPU the same step runs without capture (``capture`` False): the tests
+compare it with the eager step there, and tests marked ``cuda`` compare the captured step on a GPU.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 import time
+import types
 import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .eager import DecodeStep
+from .graph_layer import layer as _layer
+from .graph_layer import norm as _norm
+from .graph_layer import norm_of as _norm_of
+from .parts import SILU
 
+log = logging.getLogger(__name__)
 INPUTS = 5  # token, rotary position, absolute position, the window's row, steps since the lengths were uploaded
 
 
@@ -67,8 +77,8 @@ class _Plan:
     key: tuple
     host: torch.Tensor  # pinned int64 [INPUTS] (plain memory off CUDA)
     inputs: torch.Tensor  # the same on the device
-    lens: list[torch.Tensor]  # per layer [heads] int64: each head's length at the last upload
-    offs: list[torch.Tensor]  # per layer [heads] int64: each head's first row in the layer's buffers
+    lens: torch.Tensor  # [layers, heads] int64: each head's length at the last upload
+    offs: torch.Tensor  # [layers, heads] int64: each head's first row in its layer's buffers
     slots: dict[int, torch.Tensor]  # capacity -> arange(capacity) on the device
     gather: dict[int, torch.Tensor]  # layer -> [heads, largest capacity] its rows, for heads of different capacities
     accumulate: bool
@@ -84,12 +94,17 @@ class GraphStep(DecodeStep):
     """The step of the module docstring. ``capture``: record and replay a CUDA graph (on a CUDA device), else run
     the same static-shape step as it is (the CPU: tests)."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, compiled: bool = False):
         super().__init__(model)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.capture = self.device.type == "cuda"
         self._fuse()
+        self.compiled, self.compile_error = compiled, None
+        self._layer = _layer
+        if compiled:  # a function of its own: dynamo keeps compiled graphs (and their limit) per code object
+            own = types.FunctionType(_layer.__code__.replace(), _layer.__globals__, _layer.__name__)
+            self._layer = torch.compile(own, fullgraph=True)
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> _Plan
         self._lock = threading.Lock()  # sessions sharing the model in several threads: one capture or replay at a time
         self.captures = self.replays = self.eager_calls = 0
@@ -107,23 +122,32 @@ class GraphStep(DecodeStep):
 
     # -- weights ----------------------------------------------------------------------------------------------
     def _fuse(self) -> None:
-        """q/k/v and gate/up of each layer as one weight each (one product instead of three and two): the model's
-        own linear layers keep views into the concatenation, so the weights are held once."""
-        self.fused = []
+        """What ``_layer`` reads of each layer (``weights``, ``shapes``): q/k/v and gate/up as one weight each (one
+        product instead of three and two; the model's own linear layers keep views into the concatenation, so the
+        weights are held once), the norms as (weight, eps) for ``rms_norm``, a SiLU as ``F.silu``; kvchat's fp16
+        copies (``--weights half``, the CPU) as the layer's ``Projections``, multiplied as the eager step does."""
+        self.weights, self.shapes = [], []
         for lay in self.layers:
-            entry = []
-            for proj in (lay.qkv, lay.gate_up):
+            projs = []
+            for proj in (lay.qkv, lay.o, lay.gate_up, lay.down):
+                if proj.halves:
+                    projs.append(proj)
+                    continue
                 linears = proj.linears
-                if len(linears) > 1 and not proj.halves:
+                weight = linears[0].weight.detach()
+                if len(linears) > 1:
                     weight = torch.cat([m.weight.detach() for m in linears])
                     start = 0
                     for m in linears:
                         m.weight.data = weight[start: start + m.out_features]
                         start += m.out_features
-                else:
-                    weight = linears[0].weight.detach()
-                entry.append((weight, proj.bias))
-            self.fused.append(tuple(entry))
+                projs.append((weight, proj.bias))
+            qkv, o, gate_up, down = projs
+            act = F.silu if type(lay.act).__name__ in SILU else lay.act
+            self.weights.append((_norm_of(lay.norm1), qkv, o, _norm_of(lay.norm2), gate_up, down, act))
+            nq, nk, _ = lay.split
+            self.shapes.append((nq, nk, self.head_dim, nk // self.head_dim, lay.inner, lay.attn.scaling))
+        self.final = _norm_of(self.norm)
 
     # -- serving ----------------------------------------------------------------------------------------------
     def serves(self, cache) -> bool:
@@ -143,6 +167,21 @@ class GraphStep(DecodeStep):
         with self._lock:
             return self._replay(int(ids[0]), int(pos[0]), int(abs_pos[0]), cache, observer)
 
+    def replay_ms(self, cache, times: int = 50) -> float | None:
+        """The device's time for one replay of ``cache``'s captured step (CUDA events around ``times`` replays),
+        None without one. Each replay writes the last token's slot again: for benches, after a reply."""
+        plan = self._plans.get(cache)
+        if plan is None or plan.graph is None:
+            return None
+        plan.graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(times):
+            plan.graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / times
+
     def _key(self, cache, observer) -> tuple:
         """What a plan's graph was captured over: each layer's buffers (``KVLayer.version``) and what the observer
         reads."""
@@ -157,8 +196,7 @@ class GraphStep(DecodeStep):
             plan = self._plans[cache] = self._plan(cache, observer, key)
         lens = [layer.lens for layer in cache.layers]
         if lens != plan.expected:  # a compression, a recall or a reload moved the heads' lengths: upload them
-            for t, n in zip(plan.lens, lens):
-                t.copy_(torch.tensor(n))
+            plan.lens.copy_(torch.tensor(lens))
             plan.steps = 0
         ring = plan.ring
         if plan.copied is not None:
@@ -173,7 +211,7 @@ class GraphStep(DecodeStep):
             plan.graph.replay()
             logits = plan.logits.clone()  # the graph's output buffer is written again by the next replay
         else:
-            logits = self._body(plan, cache)
+            logits = self._first(plan, cache)
         self.replays += 1
         plan.steps += 1
         for layer in cache.layers:
@@ -189,8 +227,8 @@ class GraphStep(DecodeStep):
         host = torch.zeros(INPUTS, dtype=torch.int64)
         if self.capture:
             host = host.pin_memory()
-        lens = [torch.zeros(layer.heads, dtype=torch.int64, device=dev) for layer in cache.layers]
-        offs = [torch.tensor(layer.offs, dtype=torch.int64, device=dev) for layer in cache.layers]
+        lens = torch.zeros(len(cache.layers), cache.layers[0].heads, dtype=torch.int64, device=dev)
+        offs = torch.tensor([layer.offs for layer in cache.layers], dtype=torch.int64, device=dev)
         slots = {c: torch.arange(c, device=dev) for layer in cache.layers for c in set(layer.caps)}
         gather = {}
         for layer in cache.layers:
@@ -214,6 +252,20 @@ class GraphStep(DecodeStep):
         return _Plan(key, host, torch.zeros(INPUTS, dtype=torch.int64, device=dev), lens, offs, slots, gather,
                      accumulate, ring)
 
+    def _first(self, plan: _Plan, cache) -> torch.Tensor:
+        """``_body`` run where the step may compile (uncaptured): if ``torch.compile`` fails, the uncompiled layer
+        from then on (``compile_error`` says why), which computes the same."""
+        try:
+            return self._body(plan, cache)
+        except Exception as exc:  # noqa: BLE001 — any compiler failure: the step runs as written
+            if not self.compiled:
+                raise
+            self.compile_error = f"{type(exc).__name__}: {exc}"[:300]
+            log.warning("--decode compiled: compiling the step failed (%s); the graph step uncompiled",
+                        self.compile_error)
+            self.compiled, self._layer = False, _layer
+            return self._body(plan, cache)
+
     def _record(self, plan: _Plan, cache) -> None:
         """Capture the step over this cache's buffers: one run on a side stream first (cuBLAS's workspaces and
         the allocator warm up there), with the statistics it adds to put back, then the capture."""
@@ -222,7 +274,7 @@ class GraphStep(DecodeStep):
         stream = torch.cuda.Stream(device=self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._body(plan, cache)
+            self._first(plan, cache)
             for t_, copy in saved:
                 t_.copy_(copy)
         torch.cuda.current_stream(self.device).wait_stream(stream)
@@ -243,81 +295,35 @@ class GraphStep(DecodeStep):
 
     # -- the step ---------------------------------------------------------------------------------------------
     def _body(self, plan: _Plan, cache) -> torch.Tensor:
-        """One token through every layer over the cache's buffers, all on the device: what the graph records."""
+        """One token through every layer over the cache's buffers, all on the device: what the graph records. What
+        every layer needs alike is computed once — each head's slot and row for the token in every layer, and, where
+        every layer has one capacity, the mask of the slots after it; each layer is ``_layer`` over tensors and
+        constants alone (``self._layer``: compiled by ``torch.compile`` with ``compiled``): a step's kernels are its
+        cost on a GPU (docs/gpu.md)."""
         inputs = plan.inputs
         token, pos, absolute, row, steps = inputs[0:1], inputs[1:2], inputs[2:3], inputs[3:4], inputs[4]
         x = self.embed(token[None])
         cos, sin = self._rope(x, pos[None])
         cos, sin = cos[:, None], sin[:, None]
-        d, half = self.head_dim, self.head_dim // 2
-        pos32, abs32 = pos.to(torch.int32), absolute.to(torch.int32)
+        positions = (pos.to(torch.int32), absolute.to(torch.int32), pos.float(), row)
+        n_all = plan.lens + steps  # [layers, heads]: the slots each head held before this token
+        at_all = plan.offs + n_all  # [layers, heads]: the token's row in each layer's buffers
+        caps = {layer.caps[0] if layer.uniform_caps else -1 for layer in cache.layers}
+        later_all = None
+        if len(caps) == 1 and -1 not in caps:  # [layers, heads, 1, capacity]: the slots after the token's
+            later_all = plan.slots[caps.pop()][None, None, None, :] > n_all[:, :, None, None]
+        ring = plan.ring
         for i, (lay, layer) in enumerate(zip(self.layers, cache.layers)):
-            nq, nk, _ = lay.split
-            heads = layer.heads
-            (qkv_w, qkv_b), (gu_w, _) = self.fused[i]
-            qkv = torch.nn.functional.linear(lay.norm1(x), qkv_w, qkv_b)
-            qk = qkv[..., : nq + nk].view(1, -1, 1, d)
-            qk = qk * cos + qk.roll(half, -1) * sin
-            q, k = qk[0, : nq // d, 0], qk[0, nq // d:, 0]  # [query heads, d], [heads, d]
-            v = qkv[0, 0, nq + nk:].view(heads, d)
-            n = plan.lens[i] + steps  # [heads] slots each head held before this token
-            at = plan.offs[i] + n  # the token's row in the layer's buffers, per head
-            layer.keys.index_copy_(0, at, k)
-            layer.values.index_copy_(0, at, v)
-            if layer.k0 is not None:
-                layer.k0.index_copy_(0, at, k)
-            layer.abs_pos.index_copy_(0, at, abs32.expand(heads))
-            layer.computed.index_copy_(0, at, pos32.expand(heads))
-            layer.rows.index_fill_(0, at, -1)
-            for stat in layer.stats.values():
-                stat.index_fill_(0, at, 0.0)
-            out = self._attend(plan, layer, (q * lay.attn.scaling).view(heads, -1, d), n)
-            if plan.ring is not None:
-                plan.ring.queries[i].index_copy_(0, row, q.float()[None])
-                plan.ring.positions[i].index_copy_(0, row, pos.float())
-            x = x + lay.o(out.reshape(1, 1, -1))
-            gu = torch.nn.functional.linear(lay.norm2(x), gu_w)
-            x = x + lay.down(lay.act(gu[..., : lay.inner]) * gu[..., lay.inner:])
-        return self.head(self.norm(x))[0]
-
-    def _attend(self, plan: _Plan, layer, q: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-        """Attention of the scaled queries ``q`` ([heads, groups, d]) over each head's region of slots, the slots
-        after the new token's (``n``: its slot per head) masked; H2O's sums added to ``acc`` (each slot's
-        probability averaged over its head's queries, as the observer adds them). [heads, groups, d]. Heads of
-        different capacities (``headaware``) read their regions through one gather each for keys and values, padded
-        to the largest (``_Plan.gather``: the padding is masked, as the slots past a head's length are)."""
-        heads, d = layer.heads, q.shape[-1]
-        acc = layer.stats.get("acc") if plan.accumulate else None
-        if layer.uniform_caps:
-            cap = layer.caps[0]
-            keys, values = layer.keys.view(heads, cap, d), layer.values.view(heads, cap, d)
-            index = None
-        else:
-            index = plan.gather[layer.index]  # [heads, largest capacity] rows of the layer's buffers
-            cap = index.shape[1]
-            keys, values = layer.keys[index], layer.values[index]
-        later = plan.slots[cap][None, None, :] > n[:, None, None]
-        probs = _scores(q, keys.transpose(1, 2)).masked_fill(later, float("-inf")).softmax(-1)
-        if acc is not None:
-            if index is None:
-                acc.view(heads, cap).add_(probs.mean(1))
-            else:  # the padding's probabilities are 0: adding them anywhere changes nothing
-                acc.index_put_((index.flatten(),), probs.mean(1).flatten(), accumulate=True)
-        return torch.bmm(probs.to(values.dtype), values)
-
-_OUT_DTYPE = True  # cuBLAS multiplies bf16/fp16 into fp32 sums (``out_dtype``); False once a build refuses it
-
-
-def _scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """q @ keys ([b, m, d] @ [b, d, n]) in fp32: bf16/fp16 inputs multiplied by cuBLAS with the fp32 sums kept
-    (``out_dtype``, CUDA), where a bf16 output would round every logit to three digits before the softmax. A torch
-    without that operator on the device multiplies fp32 copies instead (found on the first, uncaptured run)."""
-    global _OUT_DTYPE
-    if q.dtype == torch.float32:
-        return torch.bmm(q, keys)
-    if q.device.type == "cuda" and _OUT_DTYPE:
-        try:
-            return torch.bmm(q, keys, out_dtype=torch.float32)
-        except (RuntimeError, NotImplementedError, TypeError):
-            _OUT_DTYPE = False
-    return torch.bmm(q.float(), keys.float())
+            if layer.uniform_caps:
+                gather, cap = None, layer.caps[0]
+            else:
+                gather = plan.gather[layer.index]  # [heads, largest capacity] rows of the layer's buffers
+                cap = gather.shape[1]
+            buffers = (layer.keys, layer.values, layer.k0, layer.abs_pos, layer.computed, layer.rows,
+                       tuple(layer.stats.values()), layer.stats.get("acc") if plan.accumulate else None,
+                       ring.queries[i] if ring is not None else None, ring.positions[i] if ring is not None else None,
+                       gather, plan.slots[cap])
+            later = later_all[i] if later_all is not None else None
+            x = self._layer(x, cos, sin, n_all[i], at_all[i], later, positions, self.weights[i], buffers,
+                            self.shapes[i])
+        return self.head(_norm(self.final, x))[0]
