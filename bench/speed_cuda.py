@@ -228,15 +228,16 @@ def grid(args, cm, name: str, entry: dict, budget: int, gbs: float, device: str,
         try:
             row = policy_cell(cm, p, budget, args.steps, device)
         except Exception as exc:  # noqa: BLE001 — one failing policy is reported; the others are still measured
-            rows.append({"policy": p, "budget": budget, "error": _failure(exc)})
-            log(f"speed-cuda {name} budget {budget} {p}: failed ({rows[-1]['error']})")
+            rows.append({"policy": p, "budget": budget, "step": variant, "error": _failure(exc)})
+            log(f"speed-cuda {name} {variant} budget {budget} {p}: failed ({rows[-1]['error']})")
             continue
         row["roofline_ms"] = 1000 * (weights + row["kv_bytes"]) / (gbs * 1e9)
         row["roofline_ratio"] = row["ms_per_token"] / row["roofline_ms"]
         rows.append(row)
         log(f"speed-cuda {name} {variant} budget {budget} {p:10s}: {row['ms_per_token']:.3f} ms/token "
-            f"(x{row['roofline_ratio']:.2f} roofline; replay {row.get('graph_ms', 0):.3f} ms), mean {row['ms_mean']:.3f}, compressions "
-            f"{', '.join(f'{c:.1f}' for c in row['compress_ms']) or '-'} ms, peak {row.get('peak_mb', 0):.0f} MiB")
+            f"(x{row['roofline_ratio']:.2f} roofline; replay {row.get('graph_ms', 0):.3f} ms), mean "
+            f"{row['ms_mean']:.3f}, compressions {', '.join(f'{c:.1f}' for c in row['compress_ms']) or '-'} ms, "
+            f"peak {row.get('peak_mb', 0):.0f} MiB")
     if not references:
         return
     context = _random_ids(cm, budget + Settings(budget=budget).slack_tokens - 64, 1)

@@ -184,7 +184,7 @@ def _bf16_errors(policy, tokenizer, device, compiled=False):
 def _as_accurate(errors) -> None:
     """The graph step's bf16 error, averaged over the steps, at most 1.5× the eager step's (the two round
     differently: on the CPU the graph's is 0.87-1.06× the eager step's, each 2-5% on a tiny random model's
-    near-flat logits; an error in the step itself — a wrong slot, a missed mask — is of the logits' own size)."""
+    near-flat logits; an error in the step itself is several times larger: a mask off by one slot gave 15-20%)."""
     eager, graph = (sum(e) / len(e) for e in errors)
     assert graph <= 1.5 * eager + 1e-3, (graph, eager)
 
