@@ -211,18 +211,6 @@ def test_captured_graph_is_as_accurate_as_the_eager_step(policy, tokenizer):
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "headaware"])
-def test_captured_compiled_step_is_as_accurate_as_the_eager_step(policy, tokenizer):
-    """``--decode compiled`` on the GPU: each layer compiled by inductor, then captured; as accurate as the eager
-    step, every step through the graph, nothing left uncompiled."""
-    errors, step = _bf16_errors(policy, tokenizer, "cuda", compiled=True)
-    _as_accurate(errors)
-    assert step.compiled and step.compile_error is None
-    assert step.captures >= 1 and step.replays == 40 and step.eager_calls == 0
-
-
-@cuda
-@pytest.mark.cuda
 def test_captured_graph_budget_larger_than_the_chat_gives_the_full_caches_tokens(tokenizer):
     """fp32 (no TF32 in matrix products by default): in bf16 the two steps' different roundings flip a tiny random
     model's near-ties, which says nothing about the cache."""
@@ -276,6 +264,19 @@ def test_prefill_on_top_of_the_cache_on_the_gpu_is_the_models(tokenizer):
     finally:
         graph.model.set_attn_implementation("kvchat")
     torch.testing.assert_close(session.last_logits.float(), whole.float(), atol=BF16, rtol=BF16)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "headaware"])
+def test_captured_compiled_step_is_as_accurate_as_the_eager_step(policy, tokenizer):
+    """``--decode compiled`` on the GPU: each layer compiled by inductor, then captured; as accurate as the eager
+    step, every step through the graph, nothing left uncompiled. The last of the cuda tests: compiling is the
+    slowest part of a GPU run's tests (scripts/gpu_check.sh gives them ``TESTS_S``)."""
+    errors, step = _bf16_errors(policy, tokenizer, "cuda", compiled=True)
+    _as_accurate(errors)
+    assert step.compiled and step.compile_error is None
+    assert step.captures >= 1 and step.replays == 40 and step.eager_calls == 0
 
 
 @pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "headaware"])
