@@ -154,7 +154,8 @@ class ChatModel:
     generation_defaults: dict = field(default_factory=dict)
     #: Token ids of the chat template's scaffolding (``scaffolding_ids``).
     scaffolding: torch.Tensor | None = field(default=None, repr=False)
-    #: Each token id's normal form as a word, for recall's word overlap (core/recall/lexical.py: ``word_forms``).
+    #: Each token id's normal form as a word (-1: none, or the template's own), for recall's word overlap
+    #: (core/recall/lexical.py: ``word_forms``).
     words: torch.Tensor | None = field(default=None, repr=False)
     #: How the linear layers' weights are held (core/decode/weights.py): "model" (as loaded) or "half".
     weights: str = "model"

@@ -105,9 +105,7 @@ def plan(session, tap: QueryTap, message: torch.Tensor) -> dict:
         attention = relevance(digests, coarse, digests_store.layers, tap.unrotated(session.model.rotary),
                               tap.scaling)
         ids = session.log.column("token")
-        forms = word_forms(session.model).clone()
-        forms[session.model.scaffolding_ids().long()] = -1  # the template's own words ("user") are no topic
-        words = bm25(message, ids, spans, forms)
+        words = bm25(message, ids, spans, word_forms(session.model))
         # the two rankings merged; recall_threshold still asks for that much attention
         wanted = fuse(attention, words) * (attention >= s.recall_threshold)
         units = choose(wanted, spans, held_share(session.cache, spans),

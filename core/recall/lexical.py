@@ -31,9 +31,12 @@ def normal_forms(tokenizer) -> torch.Tensor:
 
 
 def word_forms(model) -> torch.Tensor:
-    """``normal_forms`` of a ChatModel's tokenizer, computed once and kept on the model (``model.words``)."""
+    """``normal_forms`` of a ChatModel's tokenizer less its chat template's own tokens ("user" is no topic),
+    computed once and kept on the model (``model.words``)."""
     if getattr(model, "words", None) is None:
-        model.words = normal_forms(model.tokenizer)
+        forms = normal_forms(model.tokenizer)
+        forms[model.scaffolding_ids().long()] = -1
+        model.words = forms
     return model.words
 
 
