@@ -311,3 +311,16 @@ def test_graph_step_over_kvchats_fp16_copies(tokenizer):
     # within fp16 rounding: the graph's products over the copies round their outputs to fp16, kvchat's operators
     # (the eager step's, where built) keep fp32 sums
     _assert_same_cache(out[0][1], out[1][1], atol=2e-2)
+
+
+def test_a_second_graph_step_over_the_same_model_holds_no_second_copy_of_its_weights(tokenizer):
+    """``--graph-variants`` builds a second step over a model the first already fused: it reuses the concatenated
+    q/k/v and gate/up the model's layers are views of, and the model's weights stay what they were."""
+    model = build_tiny("llama", tokenizer)
+    before = [p.detach().clone() for p in model.parameters()]
+    first = ChatModel.from_pretrained_model(model, tokenizer, name="tiny", decode="graph").step
+    second = GraphStep(model, compiled=True)
+    for a, b in zip(first.weights, second.weights):
+        for i in (1, 4):  # q/k/v, gate/up
+            assert a[i][0].data_ptr() == b[i][0].data_ptr() and a[i][0].shape == b[i][0].shape
+    assert all(torch.equal(x, y) for x, y in zip(before, model.parameters()))

@@ -36,7 +36,6 @@ import types
 import weakref
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -142,7 +141,10 @@ class GraphStep(DecodeStep):
                     continue
                 linears = proj.linears
                 weight = linears[0].weight.detach()
-                if len(linears) > 1:
+                if len(linears) > 1 and _adjacent([m.weight for m in linears]):  # an earlier GraphStep's concatenation
+                    weight = weight.new_empty(0).set_(weight.untyped_storage(), weight.storage_offset(),
+                                                      (sum(m.out_features for m in linears), weight.shape[1]))
+                elif len(linears) > 1:
                     weight = torch.cat([m.weight.detach() for m in linears])
                     start = 0
                     for m in linears:
@@ -340,3 +342,13 @@ class GraphStep(DecodeStep):
             x = self._layer(x, cos, sin, n_all[i], at_all[i], later, positions, self.weights[i], buffers,
                             self.shapes[i])
         return self.head(_norm(self.final, x))[0]
+
+
+def _adjacent(weights: list[torch.Tensor]) -> bool:
+    """Whether contiguous ``weights`` lie one after the other in one storage: the rows of one concatenation."""
+    at, ptr = weights[0].storage_offset(), weights[0].untyped_storage().data_ptr()
+    for w in weights:
+        if not w.is_contiguous() or w.untyped_storage().data_ptr() != ptr or w.storage_offset() != at:
+            return False
+        at += w.numel()
+    return True
