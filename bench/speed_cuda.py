@@ -44,6 +44,7 @@ from ..core.engine.settings import Settings
 from ..core.model.loading import ChatModel, default_model_dir, load_model
 from ..policies import POLICIES
 from . import speed_cuda_baselines as baselines
+from .speed_cuda_baselines import sync as _sync
 from .common import Run, log
 
 NAME = "speed-cuda"
@@ -98,11 +99,6 @@ def weight_bytes(model) -> int:
         elif not list(m.children()):
             total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
     return total
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def _text(cm, n: int, seed: int) -> str:

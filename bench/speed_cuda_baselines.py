@@ -9,7 +9,8 @@ import time
 import torch
 
 
-def _sync(device: str) -> None:
+def sync(device: str) -> None:
+    """Wait for the device's queued work (CUDA), before a host clock is read."""
     if device == "cuda":
         torch.cuda.synchronize()
 
@@ -25,10 +26,10 @@ def generate_ms(cm, ids: list[int], steps: int, device: str) -> float:
             model.generate(x, max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm up
             times = []
             for n in (1, steps):
-                _sync(device)
+                sync(device)
                 t = time.perf_counter()
                 model.generate(x, max_new_tokens=n, min_new_tokens=n, **kwargs)
-                _sync(device)
+                sync(device)
                 times.append(time.perf_counter() - t)
     finally:
         model.set_attn_implementation("kvchat")
