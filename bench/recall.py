@@ -64,6 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--replay-turns", type=int, default=24, help="MT-Bench exchanges replayed for the answers' NLL")
     p.add_argument("--archive-sizes", type=int, nargs="+", default=[1000, 10000, 100000],
                    help="archived tokens at which recall's scoring is timed")
+    p.add_argument("--recall-rerank", type=int, default=None,
+                   help="candidates re-ranked by the model per message (the setting's default: 16 on a GPU, 0 on a "
+                        "CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--facts", choices=tuple(FACT_SETS), default="bench",
                    help="the facts planted: the bench's own, or a held-out set never used to tune recall")
@@ -168,7 +171,8 @@ def cell(cm, settings: Settings, cases: list[dict], after: int, max_new_tokens: 
         res = [run_case(cm, settings, c, after, max_new_tokens, store) for c in cases if c["kind"] == kind]
         ms = [r["recall_ms"] for r in res if r["recall_ms"] is not None]
         row = {"policy": settings.policy, "budget": settings.budget if POLICIES[settings.policy].bounded else None,
-               "recall": settings.recall, "kind": kind, "after_tokens": after, "cases": len(res),
+               "recall": settings.recall, "rerank": settings.recall_rerank, "kind": kind, "after_tokens": after,
+               "cases": len(res),
                "generated_hits": sum(r["generated_hit"] for r in res), "probe_hits": sum(r["probe_hit"] for r in res),
                "fact_recalled": sum(r["fact_recalled"] for r in res),
                "mean_nll": statistics.mean(r["nll"] for r in res), "evicted": [r["evicted"] for r in res],
@@ -267,7 +271,7 @@ def run(args, run: Run, cm) -> None:
         for budget in args.budgets:
             for p in args.policies:
                 for mode in args.recall:
-                    settings = Settings(policy=p, budget=budget, recall=mode)
+                    settings = Settings(policy=p, budget=budget, recall=mode, recall_rerank=args.recall_rerank)
                     cells.extend(cell(cm, settings, cases, args.after, args.max_new_tokens, store))
                     if p == args.policies[0]:
                         row = replay_nll(cm, settings, data, args.replay_turns, store)

@@ -44,6 +44,9 @@ CACHE_SETTINGS: tuple[Param, ...] = (
           min=1, derived="budget/4"),
     Param("recall_threshold", float, 0.0, "least relevance a group needs to come back (its mean attention share, "
           "0-1)", min=0.0, max=1.0),
+    Param("recall_rerank", int, None, "best candidates the model re-reads before the message, to bring back those "
+          "that make it likeliest (0 = off; costs a forward over about 30 tokens each)", min=0, max=256,
+          derived="16 on a GPU, 0 on a CPU"),
     Param("archive_mb", float, 1024.0, "recall's archive per conversation at most, in MB (about 1.1 KB per token "
           "for the default model); past it the oldest sentences are forgotten first", min=1.0),
 )
@@ -81,6 +84,7 @@ class Settings:
     recall_groups: int = _CACHE["recall_groups"].default
     recall_tokens: int | None = _CACHE["recall_tokens"].default  # None: derived (budget // 4)
     recall_threshold: float = _CACHE["recall_threshold"].default
+    recall_rerank: int | None = _CACHE["recall_rerank"].default  # None: derived (16 on a GPU, 0 on a CPU)
     archive_mb: float = _CACHE["archive_mb"].default
 
     # -- derived ----------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import time
 import torch
 
 from ..cache import compress
+from . import rerank
 from .lexical import bm25, fuse, word_forms
 from .score import QueryTap, relevance
 
@@ -108,10 +109,14 @@ def plan(session, tap: QueryTap, message: torch.Tensor) -> dict:
         words = bm25(message, ids, spans, word_forms(session.model))
         # the two rankings merged; recall_threshold still asks for that much attention
         wanted = fuse(attention, words) * (attention >= s.recall_threshold)
-        units = choose(wanted, spans, held_share(session.cache, spans),
-                       digests_store.has_content(spans, session.log, session.model.scaffolding_ids()),
-                       s.recall_groups, s.recall_limit, 0.0, session.log.at("message", spans[:, 0]),
-                       text=lambda g: tuple(ids[spans[g, 0]:spans[g, 1]].tolist()))
+        held = held_share(session.cache, spans)
+        content = digests_store.has_content(spans, session.log, session.model.scaffolding_ids())
+        text = lambda g: tuple(ids[spans[g, 0]:spans[g, 1]].tolist())  # noqa: E731
+        pool = rerank.pool_size(s.recall_rerank, session.model.device)
+        if pool:
+            wanted, out["reranked"] = reranked(session.model, wanted, held, content, text, message, pool)
+        units = choose(wanted, spans, held, content, s.recall_groups, s.recall_limit, 0.0,
+                       session.log.at("message", spans[:, 0]), text=text)
         if units:
             found = [[int(spans[u[0], 0]), int(spans[u[-1], 1])] for u in units]
             out.update(recalled=found, recalled_groups=len(units),
@@ -119,6 +124,30 @@ def plan(session, tap: QueryTap, message: torch.Tensor) -> dict:
             out["recalled_tokens"] = int(out["bring"].numel())
     out["recall_ms"] = 1000 * (time.perf_counter() - t0)
     return out
+
+
+def reranked(cm, wanted: torch.Tensor, held: torch.Tensor, content: torch.Tensor, text, message: torch.Tensor,
+             pool: int) -> tuple[torch.Tensor, int]:
+    """``wanted`` with its ``pool`` best candidates (evicted, with content, their text neither held nor a copy of a
+    better one's, as ``choose`` takes them) scored again by the message's likelihood gain after each
+    (core/recall/rerank.py), and every other group 0: only a candidate that makes the message likelier can come
+    back, the likeliest first. Also returns how many were re-ranked."""
+    scaffolding = cm.scaffolding_ids()
+    seen = {text(g) for g in ((held >= 0.5) & content).nonzero().flatten().tolist()}
+    eligible = ((held < 0.5) & content & (wanted > 0)).nonzero().flatten()
+    picked = []
+    for g in eligible[wanted[eligible].argsort(descending=True, stable=True)].tolist():
+        if len(picked) >= pool:
+            break
+        if text(g) not in seen:
+            seen.add(text(g))
+            picked.append(g)
+    out = torch.zeros_like(wanted)
+    if picked:
+        strip = lambda t: t[~torch.isin(t, scaffolding)]  # noqa: E731
+        gain = rerank.gains(cm, strip(message.long()), [strip(torch.tensor(text(g))) for g in picked])
+        out[torch.tensor(picked)] = gain.clamp(min=0).to(out.dtype)
+    return out, len(picked)
 
 
 def bring_back(session, bring: torch.Tensor) -> None:

@@ -1,0 +1,73 @@
+"""Re-ranking recall's best candidates by what the model itself makes of them: how much more likely each makes the
+user's message (query likelihood).
+
+Attention over digests and shared words (score.py, lexical.py) find a fact asked for in its own words, but a
+question in other words ("How do guests get online at our place?" for "Our wifi password is tulip2024.") shares no
+word with it and draws little of a 135M model's attention among thousands of sentences. Read the other way round the
+link is plain to the model: after the wifi sentence the question is far likelier than after any other. So the
+``recall_rerank`` best candidates are each read, as a user message of their own, before the message's last
+``QUESTION_TOKENS`` content tokens (a batch of short sequences through the model, no cache), and ranked by the
+message's log-likelihood gain per token over reading it with no sentence before it (``gains``); a candidate that
+does not make the message likelier at all is not brought back. This is the zero-shot re-ranking of Sachan et al.,
+"Improving Passage Retrieval with Zero-Shot Question Generation" (EMNLP 2022), with the chat as the passages.
+
+It costs a forward over about ``recall_rerank`` x 30 tokens per user message: nothing beside a decode step on a GPU,
+about 5 ms a token on this project's 2-core CPU (docs/recall.md), so it is on by default on a GPU only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QUESTION_TOKENS = 24  # the message's last content tokens whose likelihood is compared
+CANDIDATE_TOKENS = 32  # a candidate's first content tokens read before the message
+BATCH = 16  # sequences per forward
+GPU_DEFAULT = 16  # candidates re-ranked per message where ``recall_rerank`` is not set, on a GPU (0 elsewhere)
+
+
+def pool_size(setting: int | None, device: torch.device) -> int:
+    """Candidates to re-rank: the setting where given, else ``GPU_DEFAULT`` on a GPU and none on a CPU."""
+    if setting is not None:
+        return setting
+    return GPU_DEFAULT if torch.device(device).type == "cuda" else 0
+
+
+def user_wrap(chat, tokenizer) -> tuple[list[int], list[int]]:
+    """The token ids a user message's content sits between in a running chat (its header, its end marker)."""
+    marker = "\x1fKVCHAT\x1f"
+    seg = chat.segment([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}],
+                       {"role": "user", "content": marker})
+    head, _, tail = seg.partition(marker)
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"] if text else []  # noqa: E731
+    return encode(head), encode(tail)
+
+
+@torch.inference_mode()
+def gains(cm, question: torch.Tensor, candidates: list[torch.Tensor]) -> torch.Tensor:
+    """[len(candidates)] the mean log-likelihood gain, in nats per token, of ``question`` (content token ids) read
+    after each candidate (content token ids) as a user message of its own, over reading it after none."""
+    if not candidates or question.numel() == 0:
+        return torch.zeros(len(candidates))
+    head, tail = user_wrap(cm.chat, cm.tokenizer)
+    q = question.tolist()[-QUESTION_TOKENS:]
+    prefixes = [head] + [head + c.tolist()[:CANDIDATE_TOKENS] + tail + head for c in candidates]
+    model = cm.model
+    base, out_head = model.base_model, model.get_output_embeddings()
+    device = next(model.parameters()).device
+    totals = []
+    for i in range(0, len(prefixes), BATCH):
+        chunk = prefixes[i:i + BATCH]
+        rows = [p + q for p in chunk]
+        width = max(len(r) for r in rows)
+        # right-padded: every row's tokens are at positions 0.., and causal attention never reads the padding
+        ids = torch.full((len(rows), width), q[0], dtype=torch.long)
+        for r, row in enumerate(rows):
+            ids[r, :len(row)] = torch.tensor(row)
+        hidden = base(input_ids=ids.to(device), use_cache=False).last_hidden_state
+        at = torch.stack([torch.arange(len(p) - 1, len(p) - 1 + len(q)) for p in chunk]).to(device)
+        picked = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
+        logprobs = out_head(picked).float().log_softmax(-1)
+        target = torch.tensor(q, device=device).expand(len(chunk), -1)
+        totals.append(logprobs.gather(-1, target[..., None])[..., 0].sum(-1).cpu())
+    total = torch.cat(totals)
+    return (total[1:] - total[0]) / len(q)
