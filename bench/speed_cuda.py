@@ -22,9 +22,10 @@ Beside them, at the same context length: transformers' ``generate`` with a Dynam
 for ``--steps`` new tokens less the time for one), and a static cache with the forward compiled by ``torch.compile``
 (``mode="reduce-overhead"``: CUDA graphs) in a loop of its own, ``torch.compiler.cudagraph_mark_step_begin()``
 before each step and the token cloned out of the graph. TTFT: messages of ``--ttft-prompts`` tokens at turns
-``--ttft-turns`` of a chat (``streaming``, the first budget, recall as the defaults have it), whose replies are
-generated (8 tokens each); the peak GPU memory of its turns 100 and ``--replay-turns`` (the first shape's chat).
-The compiled reference runs at the first budget only (a new cache length compiles again, a minute or more).
+``--ttft-turns`` of a chat (``streaming``, the first budget, recall as the defaults have it, its re-ranking with
+them: ``recall_ms`` is recall's part), whose replies are generated (8 tokens each); the peak GPU memory of its
+turns 100 and ``--replay-turns`` (the first shape's chat). The compiled reference runs at the first budget only (a
+new cache length compiles again, a minute or more).
 """
 
 from __future__ import annotations
@@ -199,7 +200,8 @@ def chat_cell(cm, budget: int, turns: list[int], prompts: list[int], replay_turn
             for n in prompts:
                 res = session.chat(_text(cm, n, seed), max_new_tokens=1)
                 ttft.append({"turn": session.turn, "prompt_tokens": res.prompt_tokens, "ttft_ms": res.prefill_ms,
-                             "recalled_tokens": res.recalled_tokens, "history_tokens": session.total_tokens})
+                             "recalled_tokens": res.recalled_tokens, "recall_ms": res.recall_ms,
+                             "history_tokens": session.total_tokens})
                 log(f"speed-cuda {cm.name} TTFT turn {session.turn}: {res.prompt_tokens}-token message "
                     f"{res.prefill_ms:.1f} ms")
             continue
@@ -374,6 +376,7 @@ def markdown(res: dict) -> str:
         chat = entry.get("chat")
         if chat:
             lines += ["", "TTFT: " + "; ".join(f"turn {t['turn']}, {t['prompt_tokens']} tokens: {t['ttft_ms']:.1f} ms"
+                                               + (f" (recall {t['recall_ms']:.1f})" if t.get("recall_ms") else "")
                                                for t in chat["ttft"]),
                       "Peak GPU memory of a chat turn above the weights (allocated before the chat): " +
                       ", ".join(f"turn {k}: {v - chat.get('base_mb', 0):.0f} MiB" for k, v in chat["peak_mb"].items())]
