@@ -97,7 +97,7 @@ def plan(session, tap: QueryTap, message: torch.Tensor) -> dict:
     """Score the archived groups against the queries ``tap`` kept and the words of ``message`` (its token ids),
     and choose what comes back: {"recalled_tokens",
     "recalled_groups", "recalled": [[start, end]] (a chosen group with the scaffolding around it), "bring": the
-    positions, "recall_ms"}."""
+    positions, "recall_ms", and "reranked": how many candidates the model re-read, where ``recall_rerank`` asks}."""
     t0 = time.perf_counter()
     s, digests_store = session.settings, session.digests
     spans, digests, coarse = digests_store.read()

@@ -11,8 +11,9 @@ message's log-likelihood gain per token over reading it with no sentence before 
 does not make the message likelier at all is not brought back. This is the zero-shot re-ranking of Sachan et al.,
 "Improving Passage Retrieval with Zero-Shot Question Generation" (EMNLP 2022), with the chat as the passages.
 
-It costs a forward over about ``recall_rerank`` x 30 tokens per user message: nothing beside a decode step on a GPU,
-about 5 ms a token on this project's 2-core CPU (docs/recall.md), so it is on by default on a GPU only.
+It costs a forward over about ``recall_rerank`` x 30 tokens per user message: on a GPU one batch the size of a short
+prefill (not measured there yet), on this project's 2-core CPU about 5 ms a token, 2.5-3.3 s a message at 16
+(docs/recall.md), so it is on by default on a GPU only.
 """
 
 from __future__ import annotations
