@@ -45,7 +45,6 @@ from ..core.engine.settings import Settings
 from ..core.model.loading import ChatModel, default_model_dir, load_model
 from ..policies import POLICIES
 from . import speed_cuda_baselines as baselines
-from .speed_cuda_baselines import sync as _sync
 from .common import Run, log
 
 NAME = "speed-cuda"
@@ -83,10 +82,10 @@ def bandwidth_gbs(device: str, mb: int = 1024, repeats: int = 10) -> float:
     dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(repeats):
-        _sync(device)
+        baselines.sync(device)
         t = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        baselines.sync(device)
         best = min(best, time.perf_counter() - t)
     return 2 * src.numel() * 4 / best / 1e9
 
@@ -127,12 +126,12 @@ def timed_reply(session: Session, prompt: str, steps: int, device: str) -> dict:
         return plain_forward(ids, *args, **kwargs)
 
     def compressing(*args, **kwargs):
-        _sync(device)
+        baselines.sync(device)
         t = time.perf_counter()
         try:
             return plain_compress(*args, **kwargs)
         finally:
-            _sync(device)
+            baselines.sync(device)
             squeezes.append((len(starts), time.perf_counter() - t))
 
     cm = session.model

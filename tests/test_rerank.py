@@ -30,7 +30,7 @@ def test_gains_read_in_padded_batches_equal_each_sequence_read_alone(tiny, monke
     candidates = [_ids(cm, t) for t in ("The key is under the pot.", "Hi.", "Rome was not built in a day, they say, "
                                         "and neither was any other city worth the name.", "Sure.", "Cats purr.")]
     got = rerank.gains(cm, question, candidates)
-    head, tail = rerank.user_wrap(cm.chat, cm.tokenizer)
+    head, tail = cm.chat.user_wrap()
     q = question.tolist()
     none = _loglik(cm, head, q)
     want = torch.tensor([(_loglik(cm, head + c.tolist() + tail + head, q) - none) / len(q) for c in candidates])
@@ -38,7 +38,7 @@ def test_gains_read_in_padded_batches_equal_each_sequence_read_alone(tiny, monke
 
 
 def test_the_message_is_read_after_its_candidates_as_a_user_message(tokenizer, tiny):
-    head, tail = rerank.user_wrap(tiny("llama").chat, tokenizer)
+    head, tail = tiny("llama").chat.user_wrap()
     assert tokenizer.decode(head) == "<|im_start|>user\n" and tokenizer.decode(tail) == "<|im_end|>\n"
 
 
@@ -75,9 +75,9 @@ def test_only_the_pool_is_reranked_and_only_a_likelier_message_brings_a_candidat
         return torch.tensor([-0.2, 0.3, 0.0, 0.1])[: len(candidates)]
 
     monkeypatch.setattr(rerank, "gains", gains)
-    out, n = choose.reranked(cm, wanted, held, content, texts.__getitem__, torch.tensor([7, 8]), pool=4)
+    out = choose.reranked(cm, wanted, held, content, texts.__getitem__, torch.tensor([7, 8]), pool=4)
     # the pool: the best four eligible, distinct texts (7: no content; 3: held; 5: a copy of 1)
-    assert n == 4 and seen == [[texts[0], texts[1], texts[2], texts[4]]]
+    assert len(seen[0]) == 4 and seen == [[texts[0], texts[1], texts[2], texts[4]]]
     assert out.tolist() == pytest.approx([0.0, 0.3, 0.0, 0.0, 0.1, 0.0, 0.0, 0.0])
 
 

@@ -29,6 +29,7 @@ class ChatFormat:
         self.template = template
         self.default_system = self._detect_default_system()
         self.closing = self._detect_closing()
+        self._user_wrap: tuple[list[int], list[int]] | None = None
 
     @classmethod
     def for_model(cls, tokenizer, model_type: str, template: str | None = None) -> "ChatFormat":
@@ -75,6 +76,17 @@ class ChatFormat:
         """The text that opens an assistant reply after ``history`` (the generation prompt)."""
         ctx = self._context(history)
         return self._diff(ctx, ctx, before_gp=False, after_gp=True)
+
+    def user_wrap(self) -> tuple[list[int], list[int]]:
+        """The token ids a user message's content sits between in a running chat (its header, its end marker),
+        computed once."""
+        if self._user_wrap is None:
+            seg = self.segment([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}],
+                               {"role": "user", "content": _S1})
+            head, _, tail = seg.partition(_S1)
+            ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] if t else [] for t in (head, tail)]
+            self._user_wrap = (ids[0], ids[1])
+        return self._user_wrap
 
     def _detect_default_system(self) -> str | None:
         """The system prompt the template inserts when a conversation has none (SmolLM2 does), or None."""

@@ -48,7 +48,7 @@ def choose(relevance: torch.Tensor, spans: torch.Tensor, mean_held: torch.Tensor
         follows = torch.cat([(message[1:] == message[:-1]) & evicted[1:], torch.tensor([False])]).tolist()
     size = (b - a).tolist()
     chosen, used, picked = [], 0, set()
-    seen = {text(g) for g in (~evicted & has_content).nonzero().flatten().tolist()} if text is not None else set()
+    seen = held_texts(mean_held, has_content, text) if text is not None else set()
     for g in order:
         if len(chosen) >= groups or used >= tokens:
             break
@@ -97,7 +97,7 @@ def plan(session, tap: QueryTap, message: torch.Tensor) -> dict:
     """Score the archived groups against the queries ``tap`` kept and the words of ``message`` (its token ids),
     and choose what comes back: {"recalled_tokens",
     "recalled_groups", "recalled": [[start, end]] (a chosen group with the scaffolding around it), "bring": the
-    positions, "recall_ms", and "reranked": how many candidates the model re-read, where ``recall_rerank`` asks}."""
+    positions, "recall_ms"}."""
     t0 = time.perf_counter()
     s, digests_store = session.settings, session.digests
     spans, digests, coarse = digests_store.read()
@@ -114,7 +114,7 @@ def plan(session, tap: QueryTap, message: torch.Tensor) -> dict:
         text = lambda g: tuple(ids[spans[g, 0]:spans[g, 1]].tolist())  # noqa: E731
         pool = rerank.pool_size(s.recall_rerank, session.model.device)
         if pool:
-            wanted, out["reranked"] = reranked(session.model, wanted, held, content, text, message, pool)
+            wanted = reranked(session.model, wanted, held, content, text, message, pool)
         units = choose(wanted, spans, held, content, s.recall_groups, s.recall_limit, 0.0,
                        session.log.at("message", spans[:, 0]), text=text)
         if units:
@@ -127,13 +127,14 @@ def plan(session, tap: QueryTap, message: torch.Tensor) -> dict:
 
 
 def reranked(cm, wanted: torch.Tensor, held: torch.Tensor, content: torch.Tensor, text, message: torch.Tensor,
-             pool: int) -> tuple[torch.Tensor, int]:
+             pool: int) -> torch.Tensor:
     """``wanted`` with its ``pool`` best candidates (evicted, with content, their text neither held nor a copy of a
     better one's, as ``choose`` takes them) scored again by the message's likelihood gain after each
     (core/recall/rerank.py), and every other group 0: only a candidate that makes the message likelier can come
-    back, the likeliest first. Also returns how many were re-ranked."""
+    back, the likeliest first. The held groups score 0 too, so ``choose``'s rule of outscoring most of them
+    (``HELD_QUANTILE``) gives way to the gain's: the two scales do not compare."""
     scaffolding = cm.scaffolding_ids()
-    seen = {text(g) for g in ((held >= 0.5) & content).nonzero().flatten().tolist()}
+    seen = held_texts(held, content, text)
     eligible = ((held < 0.5) & content & (wanted > 0)).nonzero().flatten()
     picked = []
     for g in eligible[wanted[eligible].argsort(descending=True, stable=True)].tolist():
@@ -147,7 +148,12 @@ def reranked(cm, wanted: torch.Tensor, held: torch.Tensor, content: torch.Tensor
         strip = lambda t: t[~torch.isin(t, scaffolding)]  # noqa: E731
         gain = rerank.gains(cm, strip(message.long()), [strip(torch.tensor(text(g))) for g in picked])
         out[torch.tensor(picked)] = gain.clamp(min=0).to(out.dtype)
-    return out, len(picked)
+    return out
+
+
+def held_texts(held: torch.Tensor, content: torch.Tensor, text) -> set:
+    """The texts (token-id tuples) of the groups the cache mostly holds that have content: none comes back again."""
+    return {text(g) for g in ((held >= 0.5) & content).nonzero().flatten().tolist()}
 
 
 def bring_back(session, bring: torch.Tensor) -> None:

@@ -12,7 +12,7 @@ does not make the message likelier at all is not brought back. This is the zero-
 "Improving Passage Retrieval with Zero-Shot Question Generation" (EMNLP 2022), with the chat as the passages.
 
 It costs a forward over about ``recall_rerank`` x 30 tokens per user message: on a GPU one batch the size of a short
-prefill (not measured there yet), on this project's 2-core CPU about 5 ms a token, 2.5-3.3 s a message at 16
+prefill (not measured there yet), on this project's 2-core CPU 5-6 ms a token, 2.5-3.3 s a message at 16
 (docs/recall.md), so it is on by default on a GPU only.
 """
 
@@ -33,28 +33,18 @@ def pool_size(setting: int | None, device: torch.device) -> int:
     return GPU_DEFAULT if torch.device(device).type == "cuda" else 0
 
 
-def user_wrap(chat, tokenizer) -> tuple[list[int], list[int]]:
-    """The token ids a user message's content sits between in a running chat (its header, its end marker)."""
-    marker = "\x1fKVCHAT\x1f"
-    seg = chat.segment([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}],
-                       {"role": "user", "content": marker})
-    head, _, tail = seg.partition(marker)
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"] if text else []  # noqa: E731
-    return encode(head), encode(tail)
-
-
 @torch.inference_mode()
 def gains(cm, question: torch.Tensor, candidates: list[torch.Tensor]) -> torch.Tensor:
     """[len(candidates)] the mean log-likelihood gain, in nats per token, of ``question`` (content token ids) read
     after each candidate (content token ids) as a user message of its own, over reading it after none."""
     if not candidates or question.numel() == 0:
         return torch.zeros(len(candidates))
-    head, tail = user_wrap(cm.chat, cm.tokenizer)
+    head, tail = cm.chat.user_wrap()
     q = question.tolist()[-QUESTION_TOKENS:]
     prefixes = [head] + [head + c.tolist()[:CANDIDATE_TOKENS] + tail + head for c in candidates]
     model = cm.model
     base, out_head = model.base_model, model.get_output_embeddings()
-    device = next(model.parameters()).device
+    device = cm.device
     totals = []
     for i in range(0, len(prefixes), BATCH):
         chunk = prefixes[i:i + BATCH]
