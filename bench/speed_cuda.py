@@ -15,8 +15,10 @@ the bytes a step must read — every weight matrix once, and the cache's key and
 head), which attention reads whole — by the bandwidth of a device-to-device copy measured in the same run.
 ``graph_ms``: the device's time for one replay of the captured step alone (CUDA events over 50 replays), what the
 step costs without the engine around it. The grid runs once per ``--graph-variants`` on the same model: the graph
-step as written (``graph``) and with each layer compiled by ``torch.compile`` before the capture (``compiled``,
-what ``--decode compiled`` runs on CUDA; ``capture_ms`` includes the compiling).
+step as written (``graph``), with each layer compiled by ``torch.compile`` before the capture (``compiled``,
+what ``--decode compiled`` runs on CUDA; ``capture_ms`` includes the compiling), and as written without the
+run-ahead (``graph-sync``: each token fed once the host has read it, the device idle meanwhile; core/engine/
+generate.py), what running ahead buys.
 
 Beside them, at the same context length: transformers' ``generate`` with a DynamicCache (SDPA; per token, the time
 for ``--steps`` new tokens less the time for one), and a static cache with the forward compiled by ``torch.compile``
@@ -255,9 +257,10 @@ def grid(args, cm, name: str, entry: dict, budget: int, gbs: float, device: str,
 
 
 def _variant(step) -> str:
-    """Which step decodes: ``graph``, ``compiled`` (the graph step's layers compiled first), else its class."""
+    """Which step decodes: ``graph``, ``compiled`` (the graph step's layers compiled first), ``graph-sync`` (the graph
+    step fed each token once the host has read it, not ahead of it), else its class."""
     if isinstance(step, GraphStep):
-        return "compiled" if step.compiled else "graph"
+        return ("compiled" if step.compiled else "graph") + ("" if step.runs_ahead else "-sync")
     return type(step).__name__ if step is not None else "model"
 
 
@@ -304,6 +307,7 @@ def run(args, run: Run, cm=None) -> None:
         for i, variant in enumerate(args.graph_variants if isinstance(cm.step, GraphStep) else [None]):
             if variant is not None and variant != _variant(cm.step):
                 cm.step = GraphStep(cm.model, compiled=variant == "compiled")
+                cm.step.runs_ahead = variant != "graph-sync"
             for budget in args.budgets:
                 grid(args, cm, name, entry, budget, gbs, device, references=i == 0)
                 _save(run, partial)
@@ -355,7 +359,7 @@ def markdown(res: dict) -> str:
                   "| budget | policy | ms/token | tokens/s | × roofline | replay ms | compression ms (per token) | "
                   "peak MiB |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in entry["rows"]:
-            label = r["policy"] + (" · compiled" if r.get("step") == "compiled" else "")
+            label = r["policy"] + (f" · {r['step']}" if r.get("step") not in (None, "graph") else "")
             if "error" in r:
                 lines.append(f"| {r['budget']} | {label} | failed: {r['error'][:80]} | | | | | |")
                 continue

@@ -150,7 +150,7 @@ def test_gpu_speed_bench_runs_its_whole_grid_on_a_tiny_model(default_dir, tmp_pa
     speed.add_arguments(p)
     ns = p.parse_args(["--device", "cpu", "--shapes", "tiny", "--budgets", "64", "--steps", "80", "--policies",
                        "streaming", "h2o", "--ttft-turns", "3", "--ttft-prompts", "10", "40", "--replay-turns", "4",
-                       "--no-compiled-reference", "--graph-variants", "graph", "compiled", "--tokenizer",
+                       "--no-compiled-reference", "--graph-variants", "graph", "compiled", "graph-sync", "--tokenizer",
                        str(default_dir)])
     ns.model, ns.decode = "default", "graph"
     run = Run("speed-cuda", False, {})
@@ -158,7 +158,8 @@ def test_gpu_speed_bench_runs_its_whole_grid_on_a_tiny_model(default_dir, tmp_pa
     rows = run.rows["shapes"]["tiny"]["rows"]
     assert [(r["policy"], r.get("step")) for r in rows] == [
         ("streaming", "graph"), ("h2o", "graph"), ("full", "graph"), ("transformers", None),
-        ("streaming", "compiled"), ("h2o", "compiled"), ("full", "compiled")]
+        ("streaming", "compiled"), ("h2o", "compiled"), ("full", "compiled"),
+        ("streaming", "graph-sync"), ("h2o", "graph-sync"), ("full", "graph-sync")]
     for r in rows[:3] + rows[4:]:
         assert r["ms_per_token"] > 0 and r["roofline_ratio"] > 0 and r["eager_steps"] <= 1 and r["replays"] >= 79
         assert r["compile_error"] is None
@@ -170,3 +171,4 @@ def test_gpu_speed_bench_runs_its_whole_grid_on_a_tiny_model(default_dir, tmp_pa
     assert all(c["ok"] for c in run.checks)
     report = speed_cuda.markdown(run.result())
     assert "| 64 | streaming |" in report and "| 64 | streaming · compiled |" in report
+    assert "| 64 | streaming · graph-sync |" in report

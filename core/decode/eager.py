@@ -53,6 +53,8 @@ from .weights import HalfLinear, on_huge_pages
 
 
 class DecodeStep:
+    runs_ahead = False  # whether the engine may feed it a token the host has not read yet (graph.GraphStep)
+
     def __init__(self, model: nn.Module):
         base = model.model
         self.embed, self.rotary, self.head = base.embed_tokens, base.rotary_emb, model.lm_head

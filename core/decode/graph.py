@@ -99,6 +99,10 @@ class GraphStep(DecodeStep):
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.capture = self.device.type == "cuda"
+        # The engine may feed a token before the host has read it (core/engine/generate.py): the step takes the
+        # token where the sampler left it, on the device. Worth it where replays run asynchronously (CUDA);
+        # tests set it on the CPU.
+        self.runs_ahead = self.capture
         self._fuse()
         self.compiled, self.compile_error = compiled, None
         self._layer = _layer
@@ -178,8 +182,9 @@ class GraphStep(DecodeStep):
         if not steady and not self.serves(cache):
             self.eager_calls += 1
             return super().decode(ids, pos, abs_pos, cache, observer)
+        token = ids[:1] if ids.device.type != "cpu" else int(ids[0])  # on the device: read there, no wait for it
         with self._lock:
-            return self._replay(int(ids[0]), int(pos[0]), int(abs_pos[0]), cache, observer, lens, key)
+            return self._replay(token, int(pos[0]), int(abs_pos[0]), cache, observer, lens, key)
 
     def replay_ms(self, cache, times: int = 50) -> float | None:
         """The device's time for one replay of ``cache``'s captured step (CUDA events around ``times`` replays),
@@ -203,7 +208,7 @@ class GraphStep(DecodeStep):
         watch = (observer.accumulate, observer.window) if observer is not None else None
         return layers, watch
 
-    def _replay(self, token: int, pos: int, abs_pos: int, cache, observer, lens, key) -> torch.Tensor:
+    def _replay(self, token: int | torch.Tensor, pos: int, abs_pos: int, cache, observer, lens, key) -> torch.Tensor:
         plan = self._plans.get(cache)
         if plan is None or plan.key != key:
             plan = self._plans[cache] = self._plan(cache, observer, key)
@@ -215,8 +220,12 @@ class GraphStep(DecodeStep):
         ring = plan.ring
         if plan.copied is not None:
             plan.copied.synchronize()  # the last step's inputs have left the pinned buffer
-        plan.host.numpy()[:] = (token, pos, abs_pos, ring.total % ring.size if ring is not None else 0, plan.steps)
+        on_device = isinstance(token, torch.Tensor)
+        plan.host.numpy()[:] = (0 if on_device else token, pos, abs_pos,
+                                ring.total % ring.size if ring is not None else 0, plan.steps)
         plan.inputs.copy_(plan.host, non_blocking=True)
+        if on_device:  # the token the sampler left on the device, copied there after the rest
+            plan.inputs[0:1].copy_(token)
         if self.capture:
             plan.copied = torch.cuda.Event()
             plan.copied.record()

@@ -8,6 +8,8 @@ import time
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
+import torch
+
 from .sampling import Sampler
 from .tokens import Detokenizer
 from .turns import TurnResult
@@ -27,7 +29,8 @@ class Reply:
     user_idx: int = -1
     reply_idx: int = -1
     generated: list[int] = field(default_factory=list)
-    decode_s: float = 0.0
+    fed: int = 0  # how many of the generated tokens were fed to the model
+    decode_s: float = 0.0  # the engine's time in the decode loop (the consumer's between tokens left out)
     steps: int = 0
 
 
@@ -44,13 +47,22 @@ class Generation:
             logits = self._prefill(reply.res, fed)[0]
             sample = Sampler(sampling, self.generator, self.log.column("token")[self.kept_positions()])
             self._streaming = reply.reply_idx
+            picked = sample.pick(logits)
         detok = Detokenizer(self.model.tokenizer)
         stopped = None
         try:
             while True:
                 with self._lock:
-                    token = sample(logits)
+                    t = time.perf_counter()
+                    # The token just picked is fed before the host reads it where the step takes it on the device:
+                    # the device computes the next step while the host streams this token (every sampled token is
+                    # fed next, by this loop or by _finish_reply, whatever stops the reply).
+                    ahead = self._feed_ahead(picked)
+                    token = sample.read()
                     reply.generated.append(token)
+                    if ahead is not None:
+                        self._log_reply_token(token, reply)
+                    reply.decode_s += time.perf_counter() - t
                     if token in self.model.stop_ids:
                         stopped = "eos"
                         break
@@ -58,18 +70,22 @@ class Generation:
                 if delta:
                     yield delta
                 with self._lock:
+                    t = time.perf_counter()
                     if self._cancel.is_set():
                         stopped = "cancelled"
                     elif len(reply.generated) >= sampling.max_new_tokens:
                         stopped = "max_tokens"
-                    elif self._hard_limit_reached(1 + CLOSING_RESERVE):
+                    elif ahead is None and self._hard_limit_reached(1 + CLOSING_RESERVE):
                         stopped = "context_full"
                     if stopped:
                         break
-                    t = time.perf_counter()
-                    logits = self._feed([([token], reply.reply_idx)], continue_message=True)[0]
+                    if ahead is None:
+                        logits = self._feed([([token], reply.reply_idx)], continue_message=True)[0]
+                        reply.fed, reply.steps = len(reply.generated), reply.steps + 1
+                    else:
+                        logits = ahead
+                    picked = sample.pick(logits)
                     reply.decode_s += time.perf_counter() - t
-                    reply.steps += 1
         except GeneratorExit:  # the consumer closed the generator: the partial reply is kept and the turn closed
             if sys.is_finalizing():  # a generator left open until the interpreter exits: no model runs then
                 raise
@@ -79,13 +95,34 @@ class Generation:
         with self._lock:
             return self._finish_reply(reply, stopped)
 
+    def _feed_ahead(self, picked: torch.Tensor) -> torch.Tensor | None:
+        """Feed the token ``picked`` ([1], where the sampler left it) before the host knows it, through a decode step
+        that takes its token on the device (``runs_ahead``: the captured graph step on a GPU), and return the next
+        logits; None where it must wait for the host (no such step, the cache needs a compression first, the
+        model's last positions): the token is then fed by ``_feed`` once read. The token's log entry follows when
+        it is read (``_log_reply_token``)."""
+        step = self.model.step
+        if step is None or not step.runs_ahead:
+            return None
+        if (self.policy.bounded and self.cache.room < 1) or self._hard_limit_reached(1 + CLOSING_RESERVE):
+            return None
+        logits = self.forward(picked, torch.tensor([self.log.n]))
+        self.carry, self.last_logits = 0, logits[-1]
+        return logits[-1]
+
+    def _log_reply_token(self, token: int, reply: Reply) -> None:
+        """The log entry of a reply's token fed by ``_feed_ahead``, at the position it was fed at."""
+        self.log.append_messages(self.model.tokenizer, [([token], reply.reply_idx, "assistant")], self.turn,
+                                 continue_message=True)
+        reply.fed, reply.steps = len(reply.generated), reply.steps + 1
+
     def _finish_reply(self, reply: Reply, stopped: str) -> TurnResult:
         tok, generated, res = self.model.tokenizer, reply.generated, reply.res
         self._streaming = None
         eos_last = stopped == "eos"
         content = tok.decode(generated[:-1] if eos_last else generated, skip_special_tokens=True)
         self.messages[reply.reply_idx]["content"] = content
-        # Close the assistant turn the way the template renders it; the last sampled token is not cached yet.
+        # Close the assistant turn the way the template renders it.
         seg = self.model.chat.segment(reply.history, {"role": "assistant", "content": content})
         raw = reply.header + tok.decode(generated, skip_special_tokens=False)
         if seg.startswith(raw):
@@ -93,11 +130,15 @@ class Generation:
         else:
             closing, eos_text = self.model.chat.closing, tok.decode(generated[-1:]) if eos_last else ""
             closing = closing[len(eos_text):] if eos_last and closing.startswith(eos_text) else closing
-        tail = generated[-1:] + self._encode(closing)
-        if tail:
-            self._feed([(tail, reply.reply_idx)], continue_message=True)
+        # The last sampled token is fed as a step of its own, as the loop feeds every token (or was, ahead of the
+        # host: ``_feed_ahead``), then the closing: the same chunks, so the same compressions, either way.
+        if reply.fed < len(generated):
+            self._feed([(generated[-1:], reply.reply_idx)], continue_message=True)
+        closing_ids = self._encode(closing)
+        if closing_ids:
+            self._feed([(closing_ids, reply.reply_idx)], continue_message=True)
         res.new_tokens = len(generated)
         res.answer, res.stopped = content, stopped
         res.decode_ms_per_token = 1000 * reply.decode_s / reply.steps if reply.steps else None
         return self._close_turn(res, [(reply.user_idx, reply.user_ids),
-                                      (reply.reply_idx, reply.header_ids + generated[:-1] + tail)])
+                                      (reply.reply_idx, reply.header_ids + generated + closing_ids)])

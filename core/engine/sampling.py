@@ -64,8 +64,19 @@ class Sampler:
         self.needs_ids = sampling.repetition_penalty != 1 or sampling.no_repeat_ngram_size > 0
         self.ids = visible.long().view(1, -1) if self.needs_ids and visible is not None else torch.zeros(
             1, 0, dtype=torch.long)
+        self._picked: torch.Tensor | None = None  # the last token chosen, [1] on the logits' device
+        self._host: torch.Tensor | None = None  # its copy on the host (pinned beside a GPU)
+        self._copied = None  # CUDA: the event after that copy
 
     def __call__(self, logits: torch.Tensor) -> int:
+        self.pick(logits)
+        return self.read()
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """Choose the next token from ``logits`` without waiting for it: the token id as a tensor [1] on the logits'
+        device, which the next decode step may read there (``Generation``'s run-ahead); ``read`` gives it to the
+        host. On a GPU its copy to the host is queued behind the choice, so ``read`` waits for this step alone, not
+        for a decode step queued after it."""
         on_device = logits.device.type != "cpu"
         scores = logits.float()[None] if on_device else logits.float().cpu()[None]
         if self.processors:
@@ -73,19 +84,37 @@ class Sampler:
                 self.ids = self.ids.to(scores.device)
             scores = self.processors(self.ids, scores)
         if self.sampling.greedy:
-            token = int(torch.argmax(scores[0]))
+            token = torch.argmax(scores[0]).view(1)
         elif on_device:
-            token = draw(torch.softmax(scores[0], dim=-1), float(torch.rand((), generator=self.generator)))
+            token = pick_at(torch.softmax(scores[0], dim=-1), float(torch.rand((), generator=self.generator)))
         else:
-            token = int(torch.multinomial(torch.softmax(scores[0], dim=-1), 1, generator=self.generator))
+            token = torch.multinomial(torch.softmax(scores[0], dim=-1), 1, generator=self.generator)
         if self.needs_ids:
-            self.ids = torch.cat([self.ids, torch.tensor([[token]], device=self.ids.device)], dim=1)
+            self.ids = torch.cat([self.ids, token.view(1, 1).to(self.ids.device)], dim=1)
+        self._picked = token
+        if token.device.type == "cuda":
+            if self._host is None:
+                self._host, self._copied = torch.zeros(1, dtype=torch.int64).pin_memory(), torch.cuda.Event()
+            self._host.copy_(token, non_blocking=True)
+            self._copied.record()
         return token
+
+    def read(self) -> int:
+        """The token ``pick`` chose last, on the host (on a GPU: once its copy has landed)."""
+        if self._picked.device.type != "cuda":
+            return int(self._picked[0])
+        self._copied.synchronize()
+        return int(self._host[0])
+
+
+def pick_at(probs: torch.Tensor, u: float) -> torch.Tensor:
+    """``draw`` without the copy to the host: the token id as a tensor [1] on ``probs``' device."""
+    cdf = probs.cumsum(0)
+    at = torch.searchsorted(cdf, cdf[-1:] * u, right=True)  # u of the total the sums reach: never a zero-share token
+    return at.clamp(max=probs.numel() - 1).view(1)
 
 
 def draw(probs: torch.Tensor, u: float) -> int:
     """The token whose share of the cumulative distribution ``probs`` ([vocab], on any device) holds ``u`` in [0, 1):
     token i with probability probs[i]; one device-to-host copy (the id)."""
-    cdf = probs.cumsum(0)
-    at = torch.searchsorted(cdf, cdf[-1:] * u, right=True)  # u of the total the sums reach: never a zero-share token
-    return int(at.clamp(max=probs.numel() - 1))
+    return int(pick_at(probs, u)[0])
