@@ -14,11 +14,12 @@ waits for. ``ms_per_token`` is the median over steps without a compression; each
 the bytes a step must read — every weight matrix once, and the cache's key and value buffers (budget + slack per
 head), which attention reads whole — by the bandwidth of a device-to-device copy measured in the same run.
 ``graph_ms``: the device's time for one replay of the captured step alone (CUDA events over 50 replays), what the
-step costs without the engine around it. The grid runs once per ``--graph-variants`` on the same model: the graph
-step as written (``graph``), with each layer compiled by ``torch.compile`` before the capture (``compiled``,
-what ``--decode compiled`` runs on CUDA; ``capture_ms`` includes the compiling), and as written without the
-run-ahead (``graph-sync``: each token fed once the host has read it, the device idle meanwhile; core/engine/
-generate.py), what running ahead buys.
+step costs without the engine around it; ``kernels`` (``streaming`` at the first budget): the kernels of a replay
+from PyTorch's profiler, their count and time, and the time between them (``speed_cuda_kernels.py``). The grid
+runs once per ``--graph-variants`` on the same model: the graph step as written (``graph``), with each layer compiled
+by ``torch.compile`` before the capture (``compiled``, what ``--decode compiled`` runs on CUDA; ``capture_ms``
+includes the compiling), and as written without the run-ahead (``graph-sync``: each token fed once the host has read
+it, the device idle meanwhile; core/engine/generate.py), what running ahead buys.
 
 Beside them, at the same context length: transformers' ``generate`` with a DynamicCache (SDPA; per token, the time
 for ``--steps`` new tokens less the time for one), and a static cache with the forward compiled by ``torch.compile``
@@ -47,6 +48,7 @@ from ..core.engine.settings import Settings
 from ..core.model.loading import ChatModel, default_model_dir, load_model
 from ..policies import POLICIES
 from . import speed_cuda_baselines as baselines
+from . import speed_cuda_kernels as kernels
 from .common import Run, log
 
 NAME = "speed-cuda"
@@ -157,7 +159,7 @@ def timed_reply(session: Session, prompt: str, steps: int, device: str) -> dict:
             "kv_bytes": session.cache.kv_bytes}
 
 
-def policy_cell(cm, policy: str, budget: int, steps: int, device: str) -> dict:
+def policy_cell(cm, policy: str, budget: int, steps: int, device: str, profile: bool = False) -> dict:
     settings = Settings(policy=policy, budget=budget) if POLICIES[policy].bounded else Settings(policy="full")
     slack = Settings(budget=budget).slack_tokens
     history = budget + slack - 64
@@ -179,6 +181,8 @@ def policy_cell(cm, policy: str, budget: int, steps: int, device: str) -> dict:
         replay = step.replay_ms(session.cache) if before is not None else None
         if replay is not None:  # the step alone: the device's time for one replay
             out["graph_ms"] = replay
+    if profile and before is not None:  # what a step's time goes to: its kernels, and the gaps between them
+        out["kernels"] = kernels.profile_step(step, session.cache, len(step.layers))
     squeezes = out["compress_ms"]
     out["compress_ms_per_token"] = statistics.mean(squeezes) / slack if squeezes else 0.0
     session.close()
@@ -225,7 +229,8 @@ def grid(args, cm, name: str, entry: dict, budget: int, gbs: float, device: str,
         if p == "full" and any(r["policy"] == "full" and r.get("step", variant) == variant for r in rows):
             continue  # the full cache does not depend on the budget
         try:
-            row = policy_cell(cm, p, budget, args.steps, device)
+            profile = p == "streaming" and budget == args.budgets[0]
+            row = policy_cell(cm, p, budget, args.steps, device, profile=profile)
         except Exception as exc:  # noqa: BLE001 — one failing policy is reported; the others are still measured
             rows.append({"policy": p, "budget": budget, "step": variant, "error": _failure(exc)})
             log(f"speed-cuda {name} {variant} budget {budget} {p}: failed ({rows[-1]['error']})")
@@ -371,6 +376,9 @@ def markdown(res: dict) -> str:
                          f"{r['roofline_ratio']:.2f} | {replay} | {squeeze} | {r.get('peak_mb', 0):.0f} |"
                          if "roofline_ratio" in r else
                          f"| {r['budget']} | {label} | {ms:.3f} | {1000 / ms:.0f} | | | | |")
+        profiled = [kernels.line(name, r["policy"] + (f" · {r['step']}" if r.get("step") != "graph" else ""),
+                                 r["kernels"], r.get("graph_ms")) for r in entry["rows"] if r.get("kernels")]
+        lines += [""] + profiled if profiled else []
         compiles = [c for r in entry["rows"] if r.get("step") == "compiled" for c in r.get("capture_ms", [])]
         if compiles:
             failed = sorted({r["compile_error"][:120] for r in entry["rows"] if r.get("compile_error")})

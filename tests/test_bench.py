@@ -172,3 +172,10 @@ def test_gpu_speed_bench_runs_its_whole_grid_on_a_tiny_model(default_dir, tmp_pa
     report = speed_cuda.markdown(run.result())
     assert "| 64 | streaming |" in report and "| 64 | streaming · compiled |" in report
     assert "| 64 | streaming · graph-sync |" in report
+    profiled = [r for r in rows if r.get("kernels")]  # streaming at the first budget, once per variant
+    assert [(r["policy"], r["step"]) for r in profiled] == [("streaming", v) for v in ("graph", "compiled", "graph-sync")]
+    for r in profiled:  # on the CPU: the uncaptured step's operators, the two layers' products among them
+        k = r["kernels"]
+        assert k["source"] == "uncaptured" and k["kernels_per_layer"] > 5 and k["kernel_us"] > 0
+        assert any("linear" in t["name"] or "mm" in t["name"] for t in k["top"])
+    assert "tiny streaming (uncaptured):" in report

@@ -1,0 +1,80 @@
+"""What a captured decode step spends its time on (``kvchat bench speed --device cuda``): the kernels of one replay,
+from PyTorch's profiler, against the replay's time.
+
+The first GPU run found the step ~100 µs a layer over the bytes it reads and put it down to many small kernels
+(docs/gpu.md): this says how many kernels a step launches, how long they run, and how much of a replay is neither
+(the gaps between them). On a GPU it profiles replays of the captured graph, or where the profiler sees no kernels
+inside one, the same step run uncaptured (``source`` says which); on the CPU (the tests) the step's operators."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+TOP = 8  # kernels listed per profile, the longest first
+
+
+def profile_step(step, cache, layers: int, times: int = 20) -> dict | None:
+    """The kernels of one step of ``cache``'s plan on ``step`` (a ``GraphStep``), averaged over ``times`` steps:
+    their count and time a step, per layer, and the longest ``TOP`` by name. None without a plan. Like
+    ``GraphStep.replay_ms``, each step writes the last token's slot again: for benches, after a reply."""
+    from torch.profiler import ProfilerActivity, profile
+
+    plan = step._plans.get(cache)
+    if plan is None:
+        return None
+    cuda = plan.graph is not None
+    for source in (("graph", "uncaptured") if cuda else ("uncaptured",)):
+        run = plan.graph.replay if source == "graph" else (lambda: step._body(plan, cache))
+        with torch.no_grad():
+            run()
+            _sync(cuda)
+            with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+                for _ in range(times):
+                    run()
+                _sync(cuda)
+        kernels = _kernels(prof, cuda)
+        if kernels:
+            break
+    else:
+        return {"source": source, "kernels": 0}
+    count = sum(n for n, _ in kernels.values()) / times
+    us = sum(t for _, t in kernels.values()) / times
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:TOP]
+    return {"source": source, "kernels": count, "kernels_per_layer": count / layers, "kernel_us": us,
+            "top": [{"name": name[:90], "per_step": n / times, "us": t / times} for name, (n, t) in top]}
+
+
+def _kernels(prof, cuda: bool) -> dict[str, tuple[int, float]]:
+    """name -> (launches, µs of device time) of the profile's kernels; on the CPU its operators' own time."""
+    out: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for e in prof.key_averages():
+        if cuda:
+            if e.device_type != torch.autograd.DeviceType.CUDA or "memcpy" in e.key.lower():
+                continue
+            own = e.self_device_time_total
+        else:
+            own = e.self_cpu_time_total
+            if own <= 0:
+                continue
+        out[e.key][0] += e.count
+        out[e.key][1] += own
+    return {k: (n, t) for k, (n, t) in out.items()}
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def line(name: str, label: str, prof: dict, replay_ms: float | None) -> str:
+    """One line of the report for a profile (``markdown``)."""
+    if not prof.get("kernels"):
+        return f"{name} {label}: the profiler saw no kernels ({prof.get('source')})."
+    gap = ""
+    if replay_ms is not None and prof["source"] == "graph":
+        gap = f" in a {replay_ms * 1000:.0f} µs replay ({replay_ms * 1000 - prof['kernel_us']:.0f} µs between them)"
+    top = ", ".join(f"{k['name'][:40]} {k['us']:.0f} µs ×{k['per_step']:.0f}" for k in prof["top"][:5])
+    return (f"{name} {label} ({prof['source']}): {prof['kernels']:.0f} kernels a step "
+            f"({prof['kernels_per_layer']:.1f} a layer), {prof['kernel_us']:.0f} µs of them{gap}; the longest: {top}.")
