@@ -137,23 +137,29 @@ def test_disk_stays_bounded_with_recall_off(tiny, tmp_path, policy):
     assert_same_cache(reopened, live)
 
 
-def test_recall_archive_is_capped_forgetting_the_oldest_first(tiny, tmp_path):
+@pytest.mark.parametrize("saved", [True, False])
+def test_recall_archive_is_capped_forgetting_the_oldest_first(tiny, tmp_path, saved):
     """Recall's archive stays under --archive-mb (give or take one segment and one turn): past it the oldest sentence
-    groups are forgotten first, and the conversation still reopens exactly."""
+    groups are forgotten first, their files deleted once the turn closes — an unsaved chat's temporary folder too —
+    and a saved conversation still reopens exactly."""
     model = tiny("llama")
     settings = Settings(policy="streaming", budget=48, window=8, slack=6, recall="on", archive_mb=1.0)
-    live = Session(model, settings, store=Store(tmp_path / "kv.db"), sampling=GREEDY)
+    live = Session(model, settings, store=Store(tmp_path / "kv.db") if saved else None, sampling=GREEDY)
     cap = int(settings.archive_mb * 2**20)
-    record = None
+    forgotten = None
     for i, (user, reply) in enumerate(_chat_turns(400)):
         live.exchange(user, reply)
-        record = live.digests.store.record_bytes
-        assert live.archive_bytes <= cap + live.digests.store.segment * record
-        if live.digests.store.first > 0:
+        store = live.digests.store
+        assert live.archive_bytes <= cap + store.segment * store.record_bytes
+        forgotten = forgotten or (i if store.first > 0 else None)
+        if forgotten is not None and (i > forgotten + 40 or saved):
             break
     assert live.digests.store.first > 0, "the cap was reached and the oldest groups forgotten"
+    assert live.digests.store.first > store.segment or saved  # forgotten again since: each time the files went
     spans = live.digests.read()[0]
     assert int(spans[0, 0]) > 0 and int(spans[-1, 1]) == live.total_tokens  # the newest stay, the oldest went
+    if not saved:
+        return
     for user, reply in _chat_turns(3):
         live.exchange(user, reply)
     reopened = Session.resume(model, Store(tmp_path / "kv.db"), live.conversation_id, sampling=GREEDY)

@@ -103,8 +103,10 @@ def commit(session, record: dict) -> None:
     """Write a closed turn (with any turns and settings changes waiting) in one transaction."""
     session.pending.append(record)
     store = session.store
-    if store is None:
+    if store is None:  # an unsaved chat: nothing reopens it, so what its digests forgot goes now
         session.pending.clear()
+        if session.digests is not None:
+            session.digests.drop_forgotten()
         return
     if session.conversation_id is None and all(m["role"] == "system" for r in session.pending
                                                for m in r["messages"]):

@@ -55,8 +55,9 @@ class Sampler:
 
     Logits on the CPU are processed there and drawn with ``torch.multinomial``. Logits on a GPU stay there: the
     processors run on the device, greedy is one argmax, and a draw is the inverse of the distribution's cumulative
-    sum at one uniform number from the session's generator (``draw``), so only the token id leaves the device and the
-    session's generator (saved with every turn) stays the one source of randomness."""
+    sum at one uniform number from the session's generator (``pick_at``), so only the token id leaves the device and
+    the session's generator (saved with every turn) stays the one source of randomness. ``pick`` leaves the token
+    where it was chosen (a GPU step can take it there before the host has it) and ``read`` brings it to the host."""
 
     def __init__(self, sampling: Sampling, generator: torch.Generator, visible: torch.Tensor | None = None):
         self.sampling, self.generator = sampling, generator
