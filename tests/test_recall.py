@@ -418,6 +418,29 @@ def test_int8_digests_score_as_the_fp16_ones(monkeypatch):
     assert torch.allclose(approx, exact, atol=2e-3)
 
 
+def test_bf16_scoring_multiplies_a_few_shapes_and_gives_the_plain_products(monkeypatch):
+    """The CPU's bf16 products keep a kernel for every shape they see (never freed: a long chat grew ~20 KB a turn):
+    scoring pads the query rows and the groups to a few sizes. Over 300 messages of random sizes the products take
+    at most a few dozen shapes, each padded by at most half, and give what the plain product gives."""
+    from kvchat.core.recall import score
+
+    gen = torch.Generator().manual_seed(5)
+    plain, shapes = torch.bmm, set()
+
+    def bmm(a, b, *args, **kwargs):
+        shapes.add((a.shape[1], b.shape[2]))
+        return plain(a, b, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "bmm", bmm)
+    for _ in range(300):
+        m, n = int(torch.randint(1, 193, (1,), generator=gen)), int(torch.randint(1, 3001, (1,), generator=gen))
+        q, k = torch.randn(2, m, 8, generator=gen).bfloat16(), torch.randn(2, n, 8, generator=gen).bfloat16()
+        out = score._bf16_scores(q, k)
+        assert torch.equal(out, plain(q, k.transpose(1, 2)))
+    assert len(shapes) <= 3 * 20
+    assert all(mp <= 192 and np_ <= 3000 * 3 // 2 + 64 for mp, np_ in shapes)
+
+
 def test_coarse_keys_kept_in_memory_follow_the_store_through_adds_and_undo(tiny, tmp_path):
     """Once recall has read the coarse keys they stay in memory (in ``COARSE_DTYPE``) and are extended as turns
     close; after an undo and more turns they still equal what the store holds."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 SCORING_LAYERS = 8  # layers whose queries and keys score relevance
 QUERY_ROWS = 64  # the latest query rows of a user message kept for scoring
@@ -135,7 +136,7 @@ def _shares(q: torch.Tensor, keys: torch.Tensor, scale: float, reps: int, rough:
     heads = keys.shape[0]
     qh = q.reshape(heads, -1, keys.shape[-1]) * scale
     if keys.dtype == torch.bfloat16:  # where the CPU multiplies bf16 natively
-        s = torch.bmm(qh.to(keys.dtype), keys.transpose(1, 2))
+        s = _bf16_scores(qh.to(keys.dtype), keys)
     else:
         s = torch.bmm(qh, keys.float().transpose(1, 2))
     if reps > 1:
@@ -143,3 +144,27 @@ def _shares(q: torch.Tensor, keys: torch.Tensor, scale: float, reps: int, rough:
     if rough and s.dtype == torch.bfloat16:
         return s.softmax(-1).amax((0, 1)).float().cpu()
     return s.float().softmax(-1).amax((0, 1)).cpu()
+
+
+def _bucket(n: int, step: int) -> int:
+    """``n`` rounded up to one of a few sizes: a multiple of ``step``, then (past 4 steps) the next of 2^k and 1.5 x 2^k
+    steps (at most half as much again)."""
+    k = -(-n // step)
+    if k > 4:
+        top = 1 << (k - 1).bit_length()  # the power of two at or above k
+        k = top * 3 // 4 if top * 3 // 4 >= k else top
+    return k * step
+
+
+def _bf16_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q @ keysᵀ ([heads, m, d] @ [heads, n, d]ᵀ) in bf16 on the CPU, its m and n padded to ``_bucket`` sizes (zero
+    rows, sliced off after): the CPU's bf16 products (oneDNN's) make and keep a kernel for every shape they multiply,
+    about 0.5 MB each here, never freed; the rows and groups change with every message, and a long chat's process
+    grew ~20 KB a turn (docs/memory.md). Bucketed, a chat multiplies a few dozen shapes."""
+    m, n = q.shape[1], keys.shape[1]
+    mp, np_ = _bucket(m, 64), _bucket(n, 64)
+    if mp != m:
+        q = F.pad(q, (0, 0, 0, mp - m))
+    if np_ != n:
+        keys = F.pad(keys, (0, 0, 0, np_ - n))
+    return torch.bmm(q, keys.transpose(1, 2))[:, :m, :n]
