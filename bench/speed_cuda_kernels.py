@@ -21,12 +21,11 @@ def profile_step(step, cache, layers: int, times: int = 20) -> dict | None:
     ``GraphStep.replay_ms``, each step writes the last token's slot again: for benches, after a reply."""
     from torch.profiler import ProfilerActivity, profile
 
-    plan = step._plans.get(cache)
-    if plan is None:
+    if step.stepper(cache) is None:
         return None
-    cuda = plan.graph is not None
+    cuda = step.capture  # on CUDA a plan that took a step has its graph
     for source in (("graph", "uncaptured") if cuda else ("uncaptured",)):
-        run = plan.graph.replay if source == "graph" else (lambda: step._body(plan, cache))
+        run = step.stepper(cache, captured=source == "graph")
         with torch.no_grad():
             run()
             _sync(cuda)

@@ -201,6 +201,17 @@ class GraphStep(DecodeStep):
         end.synchronize()
         return start.elapsed_time(end) / times
 
+    def stepper(self, cache, captured: bool = True):
+        """A function taking one step of ``cache``'s plan: its graph's replay (``captured``, where there is one),
+        else the step as written, uncaptured; None without a plan. What benches time and profile: each step writes the
+        last token's slot again, so for benches, after a reply."""
+        plan = self._plans.get(cache)
+        if plan is None:
+            return None
+        if captured and plan.graph is not None:
+            return plan.graph.replay
+        return lambda: self._body(plan, cache)
+
     def _key(self, cache, observer) -> tuple:
         """What a plan's graph was captured over: each layer's buffers (``KVLayer.version``) and what the observer
         reads."""
