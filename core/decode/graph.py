@@ -16,7 +16,8 @@ a new capacity (a budget change, a per-layer or per-head allocation that changed
 doubling, an undo) allocates new buffers, and the next step captures again (``captures`` counts them). After a
 replay the cache layers only count the token (``KVLayer.advanced``): its position, computed key, zeroed
 statistics and storage row were written by the graph. Nothing is copied off the device per token but the token id
-the sampler returns.
+the sampler returns; and the engine does not wait for it (``runs_ahead``, core/engine/generate.py): a token still on
+the device is copied into the graph's input there, so the next replay is queued before the host has read it.
 
 The graph is CUDA's (``torch.cuda.CUDAGraph``): each capture takes milliseconds. A layer is ``graph_layer.layer``,
 a function of tensors and constants: as written it runs about 25 kernels (measured on an H200, the first version's
