@@ -14,12 +14,11 @@ waits for. ``ms_per_token`` is the median over steps without a compression; each
 the bytes a step must read — every weight matrix once, and the cache's key and value buffers (budget + slack per
 head), which attention reads whole — by the bandwidth of a device-to-device copy measured in the same run.
 ``graph_ms``: the device's time for one replay of the captured step alone (CUDA events over 50 replays), what the
-step costs without the engine around it; ``kernels`` (``streaming`` at the first budget): the kernels of a replay
-from PyTorch's profiler, their count and time, and the time between them (``speed_cuda_kernels.py``). The grid
-runs once per ``--graph-variants`` on the same model: the graph step as written (``graph``), with each layer compiled
-by ``torch.compile`` before the capture (``compiled``, what ``--decode compiled`` runs on CUDA; ``capture_ms``
-includes the compiling), and as written without the run-ahead (``graph-sync``: each token fed once the host has read
-it, the device idle meanwhile; core/engine/generate.py), what running ahead buys.
+step costs without the engine around it; ``kernels`` (``streaming`` at the first budget): a replay's kernels, their
+count and time, and the time between them (``speed_cuda_kernels.py``). The grid runs once per ``--graph-variants``
+on the same model: the graph step as written (``graph``), with each layer compiled by ``torch.compile`` before the
+capture (``compiled``, what ``--decode compiled`` runs on CUDA; ``capture_ms`` includes the compiling), and as
+written fed each token once the host has read it (``graph-sync``: what the run-ahead of core/engine/generate.py buys).
 
 Beside them, at the same context length: transformers' ``generate`` with a DynamicCache (SDPA; per token, the time
 for ``--steps`` new tokens less the time for one), and a static cache with the forward compiled by ``torch.compile``
@@ -33,9 +32,11 @@ new cache length compiles again, a minute or more).
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
+import traceback
 from pathlib import Path
 from unittest import mock
 
@@ -271,16 +272,12 @@ def _variant(step) -> str:
 
 def _failure(exc: Exception) -> str:
     """One line: the exception and the innermost frames that raised it."""
-    import traceback
-
     where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in traceback.extract_tb(exc.__traceback__)[:-4:-1])
     return f"{type(exc).__name__}: {str(exc)[:300]} [{where}]"
 
 
 def _save(run: Run, path: Path | None) -> None:
     """What is measured so far, in case the run is stopped (a GPU lease's time limit)."""
-    import json
-
     if path is None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -364,7 +361,7 @@ def markdown(res: dict) -> str:
                   "| budget | policy | ms/token | tokens/s | × roofline | replay ms | compression ms (per token) | "
                   "peak MiB |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in entry["rows"]:
-            label = r["policy"] + (f" · {r['step']}" if r.get("step") not in (None, "graph") else "")
+            label = _label(r)
             if "error" in r:
                 lines.append(f"| {r['budget']} | {label} | failed: {r['error'][:80]} | | | | | |")
                 continue
@@ -376,8 +373,7 @@ def markdown(res: dict) -> str:
                          f"{r['roofline_ratio']:.2f} | {replay} | {squeeze} | {r.get('peak_mb', 0):.0f} |"
                          if "roofline_ratio" in r else
                          f"| {r['budget']} | {label} | {ms:.3f} | {1000 / ms:.0f} | | | | |")
-        profiled = [kernels.line(name, r["policy"] + (f" · {r['step']}" if r.get("step") != "graph" else ""),
-                                 r["kernels"], r.get("graph_ms")) for r in entry["rows"] if r.get("kernels")]
+        profiled = [kernels.line(name, _label(r), r) for r in entry["rows"] if r.get("kernels")]
         lines += [""] + profiled if profiled else []
         compiles = [c for r in entry["rows"] if r.get("step") == "compiled" for c in r.get("capture_ms", [])]
         if compiles:
@@ -393,6 +389,11 @@ def markdown(res: dict) -> str:
                       ", ".join(f"turn {k}: {v - chat.get('base_mb', 0):.0f} MiB" for k, v in chat["peak_mb"].items())]
         lines.append("")
     return "\n".join(lines)
+
+
+def _label(row: dict) -> str:
+    """A row's policy, and its step where not the graph step as written (``compiled``, ``graph-sync``)."""
+    return row["policy"] + (f" · {row['step']}" if row.get("step") not in (None, "graph") else "")
 
 
 def plot(res: dict, plots: Path, plt) -> list[Path]:

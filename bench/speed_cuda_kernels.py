@@ -12,6 +12,8 @@ from collections import defaultdict
 
 import torch
 
+from .speed_cuda_baselines import sync
+
 TOP = 8  # kernels listed per profile, the longest first
 
 
@@ -24,15 +26,16 @@ def profile_step(step, cache, layers: int, times: int = 20) -> dict | None:
     if step.stepper(cache) is None:
         return None
     cuda = step.capture  # on CUDA a plan that took a step has its graph
+    device = "cuda" if cuda else "cpu"
     for source in (("graph", "uncaptured") if cuda else ("uncaptured",)):
         run = step.stepper(cache, captured=source == "graph")
         with torch.no_grad():
             run()
-            _sync(cuda)
+            sync(device)
             with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
                 for _ in range(times):
                     run()
-                _sync(cuda)
+                sync(device)
         kernels = _kernels(prof, cuda)
         if kernels:
             break
@@ -62,13 +65,9 @@ def _kernels(prof, cuda: bool) -> dict[str, tuple[int, float]]:
     return {k: (n, t) for k, (n, t) in out.items()}
 
 
-def _sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
-
-
-def line(name: str, label: str, prof: dict, replay_ms: float | None) -> str:
-    """One line of the report for a profile (``markdown``)."""
+def line(name: str, label: str, row: dict) -> str:
+    """One line of the report for a bench row's profile (``row["kernels"]``, beside its replay time)."""
+    prof, replay_ms = row["kernels"], row.get("graph_ms")
     if not prof.get("kernels"):
         return f"{name} {label}: the profiler saw no kernels ({prof.get('source')})."
     gap = ""

@@ -145,10 +145,10 @@ def test_draw_samples_each_token_with_its_probability():
     gen = torch.Generator().manual_seed(0)
     counts = torch.zeros(4)
     for _ in range(4000):
-        counts[draw(probs, float(torch.rand((), generator=gen)))] += 1
+        counts[int(draw(probs, float(torch.rand((), generator=gen))))] += 1
     assert counts[1] == 0
     torch.testing.assert_close(counts / 4000, probs, atol=0.03, rtol=0)
-    assert draw(probs, 0.0) == 0 and draw(probs, 0.0999) == 0 and draw(probs, 0.1001) == 2 and draw(probs, 0.9999) == 3
+    assert [int(draw(probs, u)) for u in (0.0, 0.0999, 0.1001, 0.9999)] == [0, 0, 2, 3]
 
 
 # -- on a GPU -------------------------------------------------------------------------------------------------------

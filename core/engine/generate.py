@@ -29,9 +29,8 @@ class Reply:
     user_idx: int = -1
     reply_idx: int = -1
     generated: list[int] = field(default_factory=list)
-    fed: int = 0  # how many of the generated tokens were fed to the model
+    fed: int = 0  # how many of the generated tokens the loop fed to the model (its decode steps)
     decode_s: float = 0.0  # the engine's time in the decode loop (the consumer's between tokens left out)
-    steps: int = 0
 
 
 class Generation:
@@ -81,7 +80,7 @@ class Generation:
                         break
                     if ahead is None:
                         logits = self._feed([([token], reply.reply_idx)], continue_message=True)[0]
-                        reply.fed, reply.steps = len(reply.generated), reply.steps + 1
+                        reply.fed = len(reply.generated)
                     else:
                         logits = ahead
                     picked = sample.pick(logits)
@@ -114,7 +113,7 @@ class Generation:
         """The log entry of a reply's token fed by ``_feed_ahead``, at the position it was fed at."""
         self.log.append_messages(self.model.tokenizer, [([token], reply.reply_idx, "assistant")], self.turn,
                                  continue_message=True)
-        reply.fed, reply.steps = len(reply.generated), reply.steps + 1
+        reply.fed = len(reply.generated)
 
     def _finish_reply(self, reply: Reply, stopped: str) -> TurnResult:
         tok, generated, res = self.model.tokenizer, reply.generated, reply.res
@@ -139,6 +138,6 @@ class Generation:
             self._feed([(closing_ids, reply.reply_idx)], continue_message=True)
         res.new_tokens = len(generated)
         res.answer, res.stopped = content, stopped
-        res.decode_ms_per_token = 1000 * reply.decode_s / reply.steps if reply.steps else None
+        res.decode_ms_per_token = 1000 * reply.decode_s / reply.fed if reply.fed else None
         return self._close_turn(res, [(reply.user_idx, reply.user_ids),
                                       (reply.reply_idx, reply.header_ids + generated + closing_ids)])

@@ -55,7 +55,7 @@ class Sampler:
 
     Logits on the CPU are processed there and drawn with ``torch.multinomial``. Logits on a GPU stay there: the
     processors run on the device, greedy is one argmax, and a draw is the inverse of the distribution's cumulative
-    sum at one uniform number from the session's generator (``pick_at``), so only the token id leaves the device and
+    sum at one uniform number from the session's generator (``draw``), so only the token id leaves the device and
     the session's generator (saved with every turn) stays the one source of randomness. ``pick`` leaves the token
     where it was chosen (a GPU step can take it there before the host has it) and ``read`` brings it to the host."""
 
@@ -87,7 +87,7 @@ class Sampler:
         if self.sampling.greedy:
             token = torch.argmax(scores[0]).view(1)
         elif on_device:
-            token = pick_at(torch.softmax(scores[0], dim=-1), float(torch.rand((), generator=self.generator)))
+            token = draw(torch.softmax(scores[0], dim=-1), float(torch.rand((), generator=self.generator)))
         else:
             token = torch.multinomial(torch.softmax(scores[0], dim=-1), 1, generator=self.generator)
         if self.needs_ids:
@@ -108,14 +108,9 @@ class Sampler:
         return int(self._host[0])
 
 
-def pick_at(probs: torch.Tensor, u: float) -> torch.Tensor:
-    """``draw`` without the copy to the host: the token id as a tensor [1] on ``probs``' device."""
+def draw(probs: torch.Tensor, u: float) -> torch.Tensor:
+    """The token whose share of the cumulative distribution ``probs`` ([vocab], on any device) holds ``u`` in [0, 1):
+    token i with probability probs[i]; its id as a tensor [1] on ``probs``' device (nothing leaves the device)."""
     cdf = probs.cumsum(0)
     at = torch.searchsorted(cdf, cdf[-1:] * u, right=True)  # u of the total the sums reach: never a zero-share token
     return at.clamp(max=probs.numel() - 1).view(1)
-
-
-def draw(probs: torch.Tensor, u: float) -> int:
-    """The token whose share of the cumulative distribution ``probs`` ([vocab], on any device) holds ``u`` in [0, 1):
-    token i with probability probs[i]; one device-to-host copy (the id)."""
-    return int(pick_at(probs, u)[0])
