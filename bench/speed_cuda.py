@@ -17,8 +17,9 @@ head), which attention reads whole — by the bandwidth of a device-to-device co
 step costs without the engine around it; ``kernels`` (``streaming`` at the first budget): a replay's kernels, their
 count and time, and the time between them (``speed_cuda_kernels.py``). The grid runs once per ``--graph-variants``
 on the same model: the graph step as written (``graph``), with each layer compiled by ``torch.compile`` before the
-capture (``compiled``, what ``--decode compiled`` runs on CUDA; ``capture_ms`` includes the compiling), and as
-written fed each token once the host has read it (``graph-sync``: what the run-ahead of core/engine/generate.py buys).
+capture (``compiled``, ``--decode compiled`` on CUDA; ``capture_ms`` includes the compiling), in kvchat's Triton
+kernels (``triton``, ``--decode triton``), and as written fed each token once the host has read it (``graph-sync``:
+what the run-ahead of core/engine/generate.py buys).
 
 Beside them, at the same context length: transformers' ``generate`` with a DynamicCache (SDPA; per token, the time
 for ``--steps`` new tokens less the time for one), and a static cache with the forward compiled by ``torch.compile``
@@ -258,15 +259,13 @@ def grid(args, cm, name: str, entry: dict, budget: int, gbs: float, device: str,
             continue
         got = got if isinstance(got, dict) else {"ms": got}
         rows.append({"policy": label, "budget": budget, "ms_per_token": got.pop("ms"), "context": len(context), **got})
-        log(f"speed-cuda {name} budget {budget} {label}: {rows[-1]['ms_per_token']:.3f} ms/token at {len(context)} "
-            "positions")
+        log(f"speed-cuda {name} budget {budget} {label}: {rows[-1]['ms_per_token']:.3f} ms/token at {len(context)}")
 
 
 def _variant(step) -> str:
-    """Which step decodes: ``graph``, ``compiled`` (the graph step's layers compiled first), ``graph-sync`` (the graph
-    step fed each token once the host has read it, not ahead of it), else its class."""
-    if isinstance(step, GraphStep):
-        return ("compiled" if step.compiled else "graph") + ("" if step.runs_ahead else "-sync")
+    """Which step decodes: a graph step's ``asked`` (+ ``-sync`` where it does not run ahead), else its class."""
+    if isinstance(step, GraphStep):  # as asked for: a step that fell back says so in its rows' compile_error
+        return step.asked + ("" if step.runs_ahead else "-sync")
     return type(step).__name__ if step is not None else "model"
 
 
@@ -308,7 +307,7 @@ def run(args, run: Run, cm=None) -> None:
         first = cm.step
         for i, variant in enumerate(args.graph_variants if isinstance(cm.step, GraphStep) else [None]):
             if variant is not None and variant != _variant(cm.step):
-                cm.step = GraphStep(cm.model, compiled=variant == "compiled")
+                cm.step = GraphStep(cm.model, compiled=variant == "compiled", triton=variant == "triton")
                 cm.step.runs_ahead = variant != "graph-sync"
             for budget in args.budgets:
                 grid(args, cm, name, entry, budget, gbs, device, references=i == 0)
@@ -376,10 +375,11 @@ def markdown(res: dict) -> str:
         profiled = [kernels.line(name, _label(r), r) for r in entry["rows"] if r.get("kernels")]
         lines += [""] + profiled if profiled else []
         compiles = [c for r in entry["rows"] if r.get("step") == "compiled" for c in r.get("capture_ms", [])]
-        if compiles:
-            failed = sorted({r["compile_error"][:120] for r in entry["rows"] if r.get("compile_error")})
-            lines += ["", f"Compiled step: captures (compiling included) {min(compiles) / 1000:.1f}-"
-                          f"{max(compiles) / 1000:.1f} s" + "".join(f"; compiling failed: {e}" for e in failed)]
+        notes = [f"Compiled step: captures (compiling included) {min(compiles) / 1e3:.1f}-{max(compiles) / 1e3:.1f} s"
+                 ] if compiles else []
+        notes += sorted({f"{r['step']} fell back to the step as written: {r['compile_error'][:120]}"
+                         for r in entry["rows"] if r.get("compile_error")})
+        lines += ["", "; ".join(notes)] if notes else []
         chat = entry.get("chat")
         if chat:
             lines += ["", "TTFT: " + "; ".join(f"turn {t['turn']}, {t['prompt_tokens']} tokens: {t['ttft_ms']:.1f} ms"

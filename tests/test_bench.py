@@ -150,7 +150,8 @@ def test_gpu_speed_bench_runs_its_whole_grid_on_a_tiny_model(default_dir, tmp_pa
     speed.add_arguments(p)
     ns = p.parse_args(["--device", "cpu", "--shapes", "tiny", "--budgets", "64", "--steps", "80", "--policies",
                        "streaming", "h2o", "--ttft-turns", "3", "--ttft-prompts", "10", "40", "--replay-turns", "4",
-                       "--no-compiled-reference", "--graph-variants", "graph", "compiled", "graph-sync", "--tokenizer",
+                       "--no-compiled-reference", "--graph-variants", "graph", "compiled", "triton", "graph-sync",
+                       "--tokenizer",
                        str(default_dir)])
     ns.model, ns.decode = "default", "graph"
     run = Run("speed-cuda", False, {})
@@ -159,6 +160,7 @@ def test_gpu_speed_bench_runs_its_whole_grid_on_a_tiny_model(default_dir, tmp_pa
     assert [(r["policy"], r.get("step")) for r in rows] == [
         ("streaming", "graph"), ("h2o", "graph"), ("full", "graph"), ("transformers", None),
         ("streaming", "compiled"), ("h2o", "compiled"), ("full", "compiled"),
+        ("streaming", "triton"), ("h2o", "triton"), ("full", "triton"),
         ("streaming", "graph-sync"), ("h2o", "graph-sync"), ("full", "graph-sync")]
     for r in rows[:3] + rows[4:]:
         assert r["ms_per_token"] > 0 and r["roofline_ratio"] > 0 and r["eager_steps"] <= 1 and r["replays"] >= 79
@@ -171,9 +173,10 @@ def test_gpu_speed_bench_runs_its_whole_grid_on_a_tiny_model(default_dir, tmp_pa
     assert all(c["ok"] for c in run.checks)
     report = speed_cuda.markdown(run.result())
     assert "| 64 | streaming |" in report and "| 64 | streaming · compiled |" in report
-    assert "| 64 | streaming · graph-sync |" in report
+    assert "| 64 | streaming · graph-sync |" in report and "| 64 | streaming · triton |" in report
     profiled = [r for r in rows if r.get("kernels")]  # streaming at the first budget, once per variant
-    assert [(r["policy"], r["step"]) for r in profiled] == [("streaming", v) for v in ("graph", "compiled", "graph-sync")]
+    assert [(r["policy"], r["step"]) for r in profiled] == [("streaming", v) for v in ("graph", "compiled", "triton",
+                                                                                 "graph-sync")]
     for r in profiled:  # on the CPU: the uncaptured step's operators, the two layers' products among them
         k = r["kernels"]
         assert k["source"] == "uncaptured" and k["kernels_per_layer"] > 5 and k["kernel_us"] > 0

@@ -155,7 +155,7 @@ def test_draw_samples_each_token_with_its_probability():
 BF16 = 3e-2  # tiny models' logits and kept tensors in bf16: the graph's fp32 attention against SDPA's
 
 
-def _bf16_errors(policy, tokenizer, device, compiled=False):
+def _bf16_errors(policy, tokenizer, device, compiled=False, triton=False):
     """40 decode steps through compressions of the same tiny model three times: kvchat's eager step and the graph
     step in bf16, and the eager step in fp32 over the same (bf16-rounded) weights. Each bf16 step's logits' relative
     error ‖x − fp32‖ / ‖fp32‖ per step, and the graph step's counters."""
@@ -163,8 +163,8 @@ def _bf16_errors(policy, tokenizer, device, compiled=False):
     exact = ChatModel.from_pretrained_model(build_tiny("llama", tokenizer).to(device=device, dtype=torch.bfloat16)
                                             .float(), tokenizer, name="tiny-fp32", decode="auto")
     eager.step, exact.step = DecodeStep(eager.model), DecodeStep(exact.model)
-    if compiled:
-        graph.step = GraphStep(graph.model, compiled=True)
+    if compiled or triton:
+        graph.step = GraphStep(graph.model, compiled=compiled, triton=triton)
     sessions = [Session(cm, _settings(policy), system=None, sampling=GREEDY) for cm in (eager, graph, exact)]
     torch.manual_seed(1)
     prompt = torch.randint(10, 1000, (40,)).tolist()

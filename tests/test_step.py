@@ -246,7 +246,7 @@ def test_other_architectures_decode_through_the_models_forward(arch, tokenizer):
 def test_unknown_decode_is_refused(tokenizer, model_dir):
     with pytest.raises(ValueError, match="unknown decode 'fast'"):
         build_step(build_tiny("llama", tokenizer), "fast")
-    with pytest.raises(models.ModelError, match=r"unknown decode 'fast' \(auto, model, compiled, graph\)"):
+    with pytest.raises(models.ModelError, match=r"unknown decode 'fast' \(auto, model, compiled, graph, triton\)"):
         models.load(str(model_dir), decode="fast")
     assert models.load(str(model_dir), decode="model").step is None
 

@@ -5,7 +5,8 @@
 * ``compiled.CompiledStep`` (``--decode compiled`` on the CPU): that step as one ``torch.compile`` graph (fp32);
 * ``graph.GraphStep`` (``--decode graph``, and ``auto`` on CUDA): the whole step captured once as a CUDA graph over
   the cache's fixed-capacity buffers and replayed per token (on the CPU it runs uncaptured: tests); with
-  ``--decode compiled`` on CUDA each layer compiled by ``torch.compile`` first (fused kernels), then captured;
+  ``--decode compiled`` on CUDA each layer compiled by ``torch.compile`` first (fused kernels), then captured; with
+  ``--decode triton`` (CUDA) each layer in kvchat's own Triton kernels (``graph_triton``), then captured;
 * ``None`` (``--decode model``, or a model the steps do not serve): every step through the model's forward.
 """
 
@@ -30,10 +31,12 @@ def build(model: nn.Module, decode: str = "auto") -> DecodeStep | None:
     if check(decode) == "model" or DecodeStep.unsupported(model) is not None:
         return None
     on_cuda = next(model.parameters()).device.type == "cuda"
-    if decode == "graph" or (decode in ("auto", "compiled") and on_cuda):
+    if decode == "triton" and not on_cuda:
+        log.warning("--decode triton: Triton's kernels run on a CUDA GPU; kvchat's eager step instead")
+    elif decode == "graph" or (decode in ("auto", "compiled", "triton") and on_cuda):
         why = GraphStep.unsupported(model)
         if why is None:
-            return GraphStep(model, compiled=decode == "compiled")
+            return GraphStep(model, compiled=decode == "compiled", triton=decode == "triton")
         log.warning("--decode %s: %s; kvchat's eager step instead", decode, why)
     if decode == "compiled":
         why = CompiledStep.unsupported(model)

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import graph_triton
 from .eager import DecodeStep
 from .graph_layer import layer as _layer
 from .graph_layer import norm as _norm
@@ -95,7 +96,7 @@ class GraphStep(DecodeStep):
     """The step of the module docstring. ``capture``: record and replay a CUDA graph (on a CUDA device), else run
     the same static-shape step as it is (the CPU: tests)."""
 
-    def __init__(self, model: nn.Module, compiled: bool = False):
+    def __init__(self, model: nn.Module, compiled: bool = False, triton: bool = False):
         super().__init__(model)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
@@ -107,6 +108,12 @@ class GraphStep(DecodeStep):
         self._fuse()
         self.compiled, self.compile_error = compiled, None
         self._layer = _layer
+        self.triton = triton and not compiled
+        self.asked = "compiled" if compiled else "triton" if self.triton else "graph"  # kept where it falls back
+        why = graph_triton.unsupported(self.weights, self.final, self.head_dim, self.device) if self.triton else None
+        if why is not None:
+            log.warning("--decode triton: %s; the graph step in PyTorch's operators", why)
+            self.triton, self.compile_error = False, why
         if compiled:  # a function of its own: dynamo keeps compiled graphs (and their limit) per code object
             own = types.FunctionType(_layer.__code__.replace(), _layer.__globals__, _layer.__name__)
             self._layer = torch.compile(own, fullgraph=True)
@@ -289,17 +296,18 @@ class GraphStep(DecodeStep):
                      accumulate, ring)
 
     def _first(self, plan: _Plan, cache) -> torch.Tensor:
-        """``_body`` run where the step may compile (uncaptured): if ``torch.compile`` fails, the uncompiled layer
-        from then on (``compile_error`` says why), which computes the same."""
+        """``_body`` run where the step may compile (uncaptured): if ``torch.compile`` or Triton fails, the layer as
+        written from then on (``compile_error`` says why), which computes the same."""
         try:
             return self._body(plan, cache)
         except Exception as exc:  # noqa: BLE001 — any compiler failure: the step runs as written
-            if not self.compiled:
+            if not (self.compiled or self.triton):
                 raise
             self.compile_error = f"{type(exc).__name__}: {exc}"[:300]
-            log.warning("--decode compiled: compiling the step failed (%s); the graph step uncompiled",
-                        self.compile_error)
-            self.compiled, self._layer = False, _layer
+            log.warning("--decode %s: compiling the step failed (%s); the graph step as written",
+                        "compiled" if self.compiled else "triton", self.compile_error)
+            self.compiled = self.triton = False
+            self._layer = _layer
             return self._body(plan, cache)
 
     def _record(self, plan: _Plan, cache) -> None:
@@ -345,8 +353,8 @@ class GraphStep(DecodeStep):
         n_all = plan.lens + steps  # [layers, heads]: the slots each head held before this token
         at_all = plan.offs + n_all  # [layers, heads]: the token's row in each layer's buffers
         caps = {layer.caps[0] if layer.uniform_caps else -1 for layer in cache.layers}
-        later_all = None
-        if len(caps) == 1 and -1 not in caps:  # [layers, heads, 1, capacity]: the slots after the token's
+        later_all, y = None, None
+        if len(caps) == 1 and -1 not in caps and not self.triton:  # [layers, heads, 1, capacity]: the later slots
             later_all = plan.slots[caps.pop()][None, None, None, :] > n_all[:, :, None, None]
         ring = plan.ring
         for i, (lay, layer) in enumerate(zip(self.layers, cache.layers)):
@@ -359,10 +367,14 @@ class GraphStep(DecodeStep):
                        tuple(layer.stats.values()), layer.stats.get("acc") if plan.accumulate else None,
                        ring.queries[i] if ring is not None else None, ring.positions[i] if ring is not None else None,
                        gather, plan.slots[cap])
+            if self.triton:  # the layer's output added to the residual by the next layer's first kernel
+                x, y = graph_triton.layer(x, y, cos, sin, n_all[i], at_all[i], plan.offs[i], positions,
+                                          self.weights[i], buffers, self.shapes[i])
+                continue
             later = later_all[i] if later_all is not None else None
             x = self._layer(x, cos, sin, n_all[i], at_all[i], later, positions, self.weights[i], buffers,
                             self.shapes[i])
-        return self.head(_norm(self.final, x))[0]
+        return self.head(graph_triton.finish(x, y, self.final) if y is not None else _norm(self.final, x))[0]
 
 
 def _adjacent(weights: list[torch.Tensor]) -> bool:

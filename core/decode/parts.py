@@ -10,7 +10,7 @@ from torch import nn
 
 from .weights import HalfLinear
 
-DECODE = ("auto", "model", "compiled", "graph")
+DECODE = ("auto", "model", "compiled", "graph", "triton")
 SUPPORTED = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"})
 NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"})  # the same forward, line for line
 ROPE_BLOCK = 256  # positions per block of kept rotary cos/sin' (``DecodeStep._rope_block``)

@@ -1,0 +1,113 @@
+"""``--decode triton``: the graph step's layers in kvchat's own Triton kernels (core/decode/graph_triton.py). On the
+CPU the kernels run in Triton's interpreter and must compute what the layer as written does, through compressions,
+per-head capacities and the policies' statistics; the tests marked ``cuda`` compile them for a GPU."""
+
+import pytest
+import torch
+
+from kvchat.core.decode import GraphStep, weights
+from kvchat.core.decode.eager import DecodeStep
+from kvchat.core.engine.session import Session
+from kvchat.core.engine.settings import Settings
+from kvchat.core.model.loading import ChatModel
+
+from test_graph import GREEDY, MESSAGES, _as_accurate, _assert_same_cache, _bf16_errors, _settings, cuda
+from tinymodels import build_tiny
+
+try:
+    import triton
+    _WHY = None if tuple(int(v) for v in triton.__version__.split(".")[:2]) >= (3, 7) else \
+        f"Triton {triton.__version__}'s interpreter fails on NumPy 2.4's scalars (3.7 reads them)"
+except ImportError:
+    _WHY = "Triton is not installed (scripts/setup.sh installs it for these tests)"
+interpreter = pytest.mark.skipif(_WHY is not None, reason=str(_WHY))
+
+
+def _steps(tokenizer, policy, budget=None):
+    """One session per step over the same tiny fp32 model: the graph step as written, and in Triton's kernels."""
+    out = []
+    for use in (False, True):
+        cm = ChatModel.from_pretrained_model(build_tiny("llama", tokenizer), tokenizer, name="tiny", decode="graph")
+        cm.step = GraphStep(cm.model, triton=use)
+        assert cm.step.triton == use and cm.step.compile_error is None
+        settings = _settings(policy) if budget is None else Settings(policy=policy, budget=budget)
+        out.append(Session(cm, settings, system=None if budget else "default", sampling=GREEDY))
+    return out
+
+
+@interpreter
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "tova"])
+def test_triton_step_gives_the_graph_steps_replies_and_cache(policy, tokenizer):
+    """Three replies through compressions: the same greedy answers, and the same cache within 1e-5 — keys,
+    values, positions, storage rows, H2O's sums and SnapKV's query window, which the kernels write."""
+    a, b = _steps(tokenizer, policy)
+    for text in MESSAGES:
+        assert b.chat(text).answer == a.chat(text).answer
+    assert b.evicted_total == a.evicted_total > 0
+    _assert_same_cache(a, b, atol=1e-5)
+    assert b.model.step.triton and b.model.step.replays >= 60 and b.model.step.eager_calls <= 1
+
+
+@interpreter
+def test_triton_attention_over_heads_of_different_capacities_and_several_splits(tokenizer):
+    """Heads of one layer with different capacities and lengths (``headaware``'s per-head budgets), each head's
+    region read from its own first row, in two splits (capacities above ``graph_triton.SPLIT``; the second empty for
+    the shorter head until it passes slot 255): the graph step's logits, H2O's sums and the cache, step by step."""
+    sessions = _steps(tokenizer, "h2o", budget=400)
+    torch.manual_seed(2)
+    prompt = torch.randint(10, 1000, (260,)).tolist()
+    for s in sessions:
+        s.feed_raw(prompt, score=False)
+        for layer in s.cache.layers:  # head 0 forgets its first 7 positions and gets far fewer slots than head 1
+            layer.keep([torch.arange(7, 260), torch.arange(260)], caps=[270, 400])
+        assert not s.cache.layers[0].uniform_caps
+    idx = len(sessions[0].messages) - 1
+    token = 5
+    for _ in range(6):
+        logits = [s._feed([([token], idx)], continue_message=True)[0] for s in sessions]
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
+        token = int(logits[0].argmax())
+    assert [s.model.step.replays for s in sessions] == [6, 6] and sessions[1].model.step.triton
+    assert sessions[1].cache.layers[1].lens == [259, 266]
+    _assert_same_cache(*sessions, atol=1e-5)
+
+
+@interpreter
+def test_triton_step_in_bf16_is_as_accurate_as_the_eager_step(tokenizer):
+    """bf16 on the CPU, through compressions with H2O's sums: the kernels' error against fp32 at most 1.5x the eager
+    step's, as the graph step's is (tests/test_graph.py)."""
+    errors, step = _bf16_errors("h2o", tokenizer, "cpu", triton=True)
+    _as_accurate(errors)
+    assert step.triton and step.replays == 40 and step.eager_calls == 0
+
+
+def test_triton_step_falls_back_to_the_layer_as_written_saying_why(tokenizer):
+    """Layers the kernels do not serve (here kvchat's fp16 weight copies, ``--weights half``): the graph step as
+    written, with the reason in ``compile_error``; the same replies as that step."""
+    cms = []
+    for _ in range(2):
+        model = build_tiny("llama", tokenizer)
+        weights.apply(model, "half")
+        cms.append(ChatModel.from_pretrained_model(model, tokenizer, name="tiny-half", decode="graph"))
+    cms[1].step = GraphStep(cms[1].model, triton=True)
+    assert not cms[1].step.triton and "fp16 weight copies" in cms[1].step.compile_error
+    a, b = (Session(cm, _settings("h2o"), sampling=GREEDY) for cm in cms)
+    assert b.chat(MESSAGES[0]).answer == a.chat(MESSAGES[0]).answer
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "headaware"])
+def test_captured_triton_step_is_as_accurate_as_the_eager_step(policy, tokenizer):
+    """``--decode triton`` on the GPU: the kernels compiled by Triton and captured, as accurate as the eager step,
+    every step through the graph."""
+    errors, step = _bf16_errors(policy, tokenizer, "cuda", triton=True)
+    _as_accurate(errors)
+    assert step.triton and step.compile_error is None
+    assert step.captures >= 1 and step.replays == 40 and step.eager_calls == 0
+
+
+def test_decode_triton_off_cuda_is_kvchats_eager_step(tokenizer):
+    """``--decode triton`` asks for CUDA's kernels: on the CPU kvchat's eager step decodes (with a warning)."""
+    cm = ChatModel.from_pretrained_model(build_tiny("llama", tokenizer), tokenizer, name="tiny", decode="triton")
+    assert type(cm.step) is DecodeStep
