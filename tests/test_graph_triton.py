@@ -2,6 +2,11 @@
 CPU the kernels run in Triton's interpreter and must compute what the layer as written does, through compressions,
 per-head capacities and the policies' statistics; the tests marked ``cuda`` compile them for a GPU."""
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -111,3 +116,77 @@ def test_decode_triton_off_cuda_is_kvchats_eager_step(tokenizer):
     """``--decode triton`` asks for CUDA's kernels: on the CPU kvchat's eager step decodes (with a warning)."""
     cm = ChatModel.from_pretrained_model(build_tiny("llama", tokenizer), tokenizer, name="tiny", decode="triton")
     assert type(cm.step) is DecodeStep
+
+
+def _hopper():
+    """Why the kernels cannot be compiled for a GPU here, None if they can (Triton's NVIDIA backend, its ptxas)."""
+    if _WHY is not None:
+        return _WHY
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError as exc:
+        return f"Triton has no NVIDIA backend here ({exc})"
+    return None
+
+
+@pytest.mark.skipif(_hopper() is not None, reason=str(_hopper()))
+def test_every_launch_of_a_bf16_step_compiles_for_a_hopper_gpu(tokenizer, monkeypatch):
+    """What the interpreter cannot check — the kernels' types, their products' shapes, the loops' bounds — checked on
+    the CPU: every distinct launch a bf16 step makes (its arguments' types and constants as launched: H2O's sums,
+    SnapKV's query ring, the first layer's norm without a sum) compiled by Triton for sm_90 (an H100), to PTX and
+    machine code."""
+    import inspect
+
+    from triton.runtime.jit import mangle_type
+
+    from kvchat.core.decode import graph_triton, graph_triton_kernels
+
+    launches, kernel = {}, graph_triton._kernel
+
+    class Recorder:
+        def __init__(self, name, like):
+            self.name, self.like = name, like
+
+        def __getitem__(self, grid):
+            def launch(*args, **constants):
+                params = list(inspect.signature(getattr(graph_triton_kernels, self.name)).parameters)
+                types = tuple((p, mangle_type(a)) for p, a in zip(params, args))
+                launches[(self.name, types, tuple(sorted(constants.items())))] = None
+                return kernel(self.name, self.like)[grid](*args, **constants)
+            return launch
+
+    monkeypatch.setattr(graph_triton, "_kernel", Recorder)
+    for policy in ("streaming", "h2o", "snapkv"):
+        model = build_tiny("llama", tokenizer).to(torch.bfloat16)
+        cm = ChatModel.from_pretrained_model(model, tokenizer, name="tiny", decode="graph")
+        cm.step = GraphStep(cm.model, triton=True)
+        session = Session(cm, _settings(policy), system=None, sampling=GREEDY)
+        session.feed_raw(list(range(20, 40)), score=False)
+        for token in (5, 6):
+            session._feed([([token], len(session.messages) - 1)], continue_message=True)
+        assert cm.step.triton and cm.step.replays == 2
+    flags = {(name, dict(c).get("ACC"), dict(c).get("RING"), dict(c).get("ADD")) for name, _, c in launches}
+    assert {("attend_done", True, None, None), ("attend_done", False, None, None), ("rotate_write", None, True, None),
+            ("add_norm", None, None, False), ("add_norm", None, None, True)} <= flags
+    # compiled in a process of its own: Triton compiles nothing in one whose interpreter is on (TRITON_INTERPRET)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    job = json.dumps([[name, list(types), list(constants)] for name, types, constants in launches])
+    done = subprocess.run([sys.executable, "-c", _COMPILE], input=job, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["compiled"] * len(launches)
+
+
+_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+from kvchat.core.decode import graph_triton_kernels as source
+for name, types, constants in json.load(sys.stdin):
+    signature = {p: t for p, t in types} | {p: "constexpr" for p, _ in constants}
+    kernel = triton.compile(ASTSource(JITFunction(getattr(source, name)), signature, dict(constants)),
+                            target=GPUTarget("cuda", 90, 32))
+    print("compiled" if kernel.asm["cubin"] else "empty")
+"""

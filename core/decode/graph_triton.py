@@ -110,8 +110,9 @@ def attend(q, keys, values, offs, n, acc, cap: int, scaling: float, heads: int) 
     consts = dict(G=groups, GP=gp, D=d, DP=dp, B=BLOCK, SPLITS=splits, PREC=precision)
     _kernel("attend_part", q)[(heads, splits)](q, keys, values, offs, n, part_m, part_l, part_o, chunk, scaling,
                                                **consts)
-    _kernel("attend_done", q)[(heads, splits)](q, keys, offs, n, part_m, part_l, part_o, acc if acc is not None else
-                                               part_m, out, chunk, scaling, ACC=acc is not None, **consts)
+    _kernel("attend_done", q)[(heads, splits if acc is not None else 1)](  # split 0 writes the output
+        q, keys, offs, n, part_m, part_l, part_o, acc if acc is not None else part_m, out, chunk, scaling,
+        ACC=acc is not None, **consts)
     return out
 
 

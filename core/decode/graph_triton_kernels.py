@@ -83,7 +83,7 @@ def attend_part(q, keys, values, offs, n, part_m, part_l, part_o, chunk, scaling
     jin = j < D
     qv = tl.load(q + (h * G + g)[:, None] * D + j[None, :], mask=(g < G)[:, None] & jin[None, :],
                  other=0.0).to(tl.float32)
-    last = tl.load(n + h)
+    last = tl.load(n + h).to(tl.int32)  # the loop bounds in one type
     first = tl.load(offs + h)
     lo = sp * chunk
     hi = tl.minimum(lo + chunk, last + 1)
@@ -137,7 +137,7 @@ def attend_done(q, keys, offs, n, part_m, part_l, part_o, acc, out, chunk, scali
     if ACC:
         qv = tl.load(q + (h * G + g)[:, None] * D + j[None, :], mask=(g < G)[:, None] & jin[None, :],
                      other=0.0).to(tl.float32)
-        last = tl.load(n + h)
+        last = tl.load(n + h).to(tl.int32)  # the loop bounds in one type
         first = tl.load(offs + h)
         lo = sp * chunk
         hi = tl.minimum(lo + chunk, last + 1)
