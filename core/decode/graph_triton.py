@@ -1,5 +1,5 @@
 """One layer of the graph step (core/decode/graph.py) in kvchat's own Triton kernels (``--decode triton`` on CUDA):
-about 11 kernels a layer where ``graph_layer.layer`` runs about 25, each of them small enough that a replay's time
+10 kernels a layer where ``graph_layer.layer`` runs about 25, each of them small enough that a replay's time
 is mostly the gaps between them (docs/gpu.md). A layer is
 
     add + norm     the residual sum of the last layer's output and its RMS norm, one kernel (``_add_norm``)
