@@ -15,11 +15,10 @@ the bytes a step must read — every weight matrix once, and the cache's key and
 head), which attention reads whole — by the bandwidth of a device-to-device copy measured in the same run.
 ``graph_ms``: the device's time for one replay of the captured step alone (CUDA events over 50 replays), what the
 step costs without the engine around it; ``kernels`` (``streaming`` at the first budget): a replay's kernels, their
-count and time, and the time between them (``speed_cuda_kernels.py``). The grid runs once per ``--graph-variants``
-on the same model: the graph step as written (``graph``), with each layer compiled by ``torch.compile`` before the
-capture (``compiled``, ``--decode compiled`` on CUDA; ``capture_ms`` includes the compiling), in kvchat's Triton
-kernels (``triton``, ``--decode triton``), and as written fed each token once the host has read it (``graph-sync``:
-what the run-ahead of core/engine/generate.py buys).
+count and time, and the time between them (``speed_cuda_kernels.py``). The grid runs once per ``--graph-variants``,
+each over every shape before the next: the graph step as written (``graph``), its layers compiled by inductor
+(``compiled``; ``capture_ms`` includes the compiling), in kvchat's Triton kernels (``triton``), and as written fed
+each token once the host has read it (``graph-sync``: what the run-ahead of core/engine/generate.py buys).
 
 Beside them, at the same context length: transformers' ``generate`` with a DynamicCache (SDPA; per token, the time
 for ``--steps`` new tokens less the time for one), and a static cache with the forward compiled by ``torch.compile``
@@ -80,31 +79,6 @@ def build(shape: str, tokenizer_dir: str, device: str, decode: str) -> ChatModel
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     return ChatModel.from_pretrained_model(model, tokenizer, name=shape, decode=decode)
-
-
-def bandwidth_gbs(device: str, mb: int = 1024, repeats: int = 10) -> float:
-    """Device memory bandwidth: the best of ``repeats`` copies of a ``mb`` MB tensor, bytes read + written."""
-    src = torch.randn(mb * 2**18, device=device)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        baselines.sync(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        baselines.sync(device)
-        best = min(best, time.perf_counter() - t)
-    return 2 * src.numel() * 4 / best / 1e9
-
-
-def weight_bytes(model) -> int:
-    """Bytes of the weights one decode step reads: every linear layer's and norm's (one row of the embedding)."""
-    total = 0
-    for m in model.modules():
-        if isinstance(m, torch.nn.Embedding):
-            total += m.weight[0].numel() * m.weight.element_size()
-        elif not list(m.children()):
-            total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
-    return total
 
 
 def _text(cm, n: int, seed: int) -> str:
@@ -287,7 +261,7 @@ def run(args, run: Run, cm=None) -> None:
     device = args.device
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
-    gbs = bandwidth_gbs(device)
+    gbs = baselines.bandwidth_gbs(device)
     run.rows = {"bandwidth_gbs": [gbs], "shapes": {}, "device": torch.cuda.get_device_name() if device == "cuda"
                 else "cpu"}
     log(f"speed-cuda: device {run.rows['device']}, copy bandwidth {gbs:.0f} GB/s")
@@ -295,24 +269,26 @@ def run(args, run: Run, cm=None) -> None:
     tokenizer = args.tokenizer or os.environ.get("KVCHAT_TOKENIZER") or str(default_model_dir())
     out = getattr(args, "out", None)
     partial = Path(out) / "results" / f"{NAME}.partial.json" if out else None  # bench/cli.py writes the whole
-    built = {}
-    for path, shape in models:  # first every shape's grid, then the chats: the grid matters most in a short lease
-        cm = load_model(path, device=device, decode=args.decode) if path else \
-            build(shape, tokenizer, device, args.decode)
+    built, first = {}, {}
+    for path, shape in models:  # every shape's grids, then the chats: the grids matter most in a short lease
         name = path or shape
-        built[name] = cm
-        weights = weight_bytes(cm.model)
+        cm = built[name] = load_model(path, device=device, decode=args.decode) if path else \
+            build(shape, tokenizer, device, args.decode)
+        weights, first[name] = baselines.weight_bytes(cm.model), cm.step
         entry = run.rows["shapes"][name] = {"weight_bytes": weights, "rows": [], "step": type(cm.step).__name__}
         log(f"speed-cuda {name}: {weights / 2**30:.2f} GiB of weights per step, decode step {entry['step']}")
-        first = cm.step
-        for i, variant in enumerate(args.graph_variants if isinstance(cm.step, GraphStep) else [None]):
-            if variant is not None and variant != _variant(cm.step):
+    for i, variant in enumerate(args.graph_variants):  # each over every shape: a call stopped early keeps the first
+        for name, cm in built.items():
+            if not isinstance(first[name], GraphStep) and i > 0:
+                continue
+            if isinstance(first[name], GraphStep) and variant != _variant(cm.step):
                 cm.step = GraphStep(cm.model, compiled=variant == "compiled", triton=variant == "triton")
                 cm.step.runs_ahead = variant != "graph-sync"
             for budget in args.budgets:
-                grid(args, cm, name, entry, budget, gbs, device, references=i == 0)
+                grid(args, cm, name, run.rows["shapes"][name], budget, gbs, device, references=i == 0)
                 _save(run, partial)
-        cm.step = first  # the chat decodes with the step --decode picks
+    for name, cm in built.items():
+        cm.step = first[name]  # the chat decodes with the step --decode picks
     for i, (name, cm) in enumerate(built.items()):
         turns = args.replay_turns if i == 0 else 0  # the long chat once: its memory is the engine's, not the shape's
         if args.ttft_turns or turns:
@@ -327,7 +303,7 @@ def run(args, run: Run, cm=None) -> None:
     del built, cm
     if device == "cuda":
         torch.cuda.empty_cache()
-    gbs_end = bandwidth_gbs(device)
+    gbs_end = baselines.bandwidth_gbs(device)
     run.rows["bandwidth_gbs"].append(gbs_end)
     checks(run)
     if partial is not None:

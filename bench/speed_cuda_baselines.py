@@ -1,5 +1,6 @@
-"""What ``kvchat bench speed --device cuda`` measures kvchat against, at the same context length: transformers'
-``generate`` with a DynamicCache, and a static cache with the forward compiled with CUDA graphs."""
+"""What ``kvchat bench speed --device cuda`` measures kvchat against: the roofline (the bytes a step reads, the
+device's copy bandwidth) and, at the same context length, transformers' ``generate`` with a DynamicCache and a static
+cache with the forward compiled with CUDA graphs."""
 
 from __future__ import annotations
 
@@ -66,3 +67,28 @@ def compiled_ms(cm, ids: list[int], steps: int, device: str) -> dict:
     finally:
         model.set_attn_implementation("kvchat")
     return {"ms": 1000 * statistics.median(times[3:]), "compile_s": compile_s}
+
+
+def bandwidth_gbs(device: str, mb: int = 1024, repeats: int = 10) -> float:
+    """Device memory bandwidth: the best of ``repeats`` copies of a ``mb`` MB tensor, bytes read + written."""
+    src = torch.randn(mb * 2**18, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the weights one decode step reads: every linear layer's and norm's (one row of the embedding)."""
+    total = 0
+    for m in model.modules():
+        if isinstance(m, torch.nn.Embedding):
+            total += m.weight[0].numel() * m.weight.element_size()
+        elif not list(m.children()):
+            total += sum(p.numel() * p.element_size() for p in m.parameters(recurse=False))
+    return total

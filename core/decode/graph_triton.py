@@ -35,7 +35,8 @@ def unsupported(weights: list, final, head_dim: int, device: torch.device) -> st
         import triton
     except ImportError:
         return "Triton is not installed"
-    if device.type != "cuda" and not triton.knobs.runtime.interpret:
+    knobs = getattr(triton, "knobs", None)  # Triton 3.4 on
+    if device.type != "cuda" and not (knobs is not None and knobs.runtime.interpret):
         return "Triton's kernels run on a CUDA GPU (on a CPU only in its interpreter: TRITON_INTERPRET=1, the tests)"
     if head_dim < 16:
         return f"head_dim {head_dim} < 16 (Triton's products take 16 at least)"
