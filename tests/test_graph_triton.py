@@ -190,3 +190,19 @@ for name, types, constants in json.load(sys.stdin):
                             target=GPUTarget("cuda", 90, 32))
     print("compiled" if kernel.asm["cubin"] else "empty")
 """
+
+
+@cuda
+@pytest.mark.cuda
+def test_captured_triton_step_at_a_budget_larger_than_the_chat_gives_the_full_caches_tokens(tokenizer):
+    """fp32 on the GPU (the kernels' products in IEEE fp32): streaming at a budget the chat never reaches, in the
+    Triton kernels, captured, gives the eager step's greedy replies over the full cache."""
+    models = [ChatModel.from_pretrained_model(build_tiny("llama", tokenizer).to("cuda"), tokenizer, name="tiny",
+                                              decode="graph") for _ in range(2)]
+    models[0].step = DecodeStep(models[0].model)
+    models[1].step = GraphStep(models[1].model, triton=True)
+    full = Session(models[0], Settings(policy="full"), sampling=GREEDY)
+    bounded = Session(models[1], Settings(policy="streaming", budget=400), sampling=GREEDY)
+    for text in MESSAGES:
+        assert bounded.chat(text).answer == full.chat(text).answer
+    assert models[1].step.triton and models[1].step.captures == 1 and models[1].step.replays >= 60
