@@ -233,7 +233,8 @@ def grid(args, cm, name: str, entry: dict, budget: int, gbs: float, device: str,
             continue
         got = got if isinstance(got, dict) else {"ms": got}
         rows.append({"policy": label, "budget": budget, "ms_per_token": got.pop("ms"), "context": len(context), **got})
-        log(f"speed-cuda {name} budget {budget} {label}: {rows[-1]['ms_per_token']:.3f} ms/token at {len(context)}")
+        log(f"speed-cuda {name} budget {budget} {label}: {rows[-1]['ms_per_token']:.3f} ms/token at {len(context)} "
+            "positions")
 
 
 def _variant(step) -> str:

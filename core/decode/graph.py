@@ -23,8 +23,9 @@ The graph is CUDA's (``torch.cuda.CUDAGraph``): each capture takes milliseconds.
 a function of tensors and constants: as written it runs about 25 kernels (measured on an H200, the first version's
 43 cost ~100 µs a layer beyond the bytes it reads: docs/gpu.md); with ``compiled`` (``--decode compiled`` on CUDA)
 ``torch.compile`` fuses them into about a dozen before the capture, compiling once per layer shape (all layers of a
-model share one) and cache capacity. On the CPU the same step runs without capture (``capture`` False): the tests
-compare it with the eager step there, and tests marked ``cuda`` compare the captured step on a GPU.
+model share one) and cache capacity; with ``triton`` (``--decode triton``) each layer runs in kvchat's own Triton
+kernels instead (``graph_triton``: 10 a layer). On the CPU the same step runs without capture (``capture`` False):
+the tests compare it with the eager step there, and tests marked ``cuda`` compare the captured step on a GPU.
 """
 
 from __future__ import annotations
