@@ -30,6 +30,7 @@ the tests compare it with the eager step there, and tests marked ``cuda`` compar
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import threading
@@ -192,7 +193,8 @@ class GraphStep(DecodeStep):
             self.eager_calls += 1
             return super().decode(ids, pos, abs_pos, cache, observer)
         token = ids[:1] if ids.device.type != "cpu" else int(ids[0])  # on the device: read there, no wait for it
-        with self._lock:
+        # The model's GPU made current: a capture, its streams and events, and Triton's launches use the current one.
+        with self._lock, torch.cuda.device(self.device) if self.capture else contextlib.nullcontext():
             return self._replay(token, int(pos[0]), int(abs_pos[0]), cache, observer, lens, key)
 
     def replay_ms(self, cache, times: int = 50) -> float | None:

@@ -97,7 +97,7 @@ class Sampler:
             if self._host is None:
                 self._host, self._copied = torch.zeros(1, dtype=torch.int64).pin_memory(), torch.cuda.Event()
             self._host.copy_(token, non_blocking=True)
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(token.device))  # the copy's stream, on any GPU
         return token
 
     def read(self) -> int:
