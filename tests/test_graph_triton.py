@@ -9,8 +9,9 @@ import sys
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
 
-from kvchat.core.decode import GraphStep, weights
+from kvchat.core.decode import GraphStep, graph_triton, weights
 from kvchat.core.decode.eager import DecodeStep
 from kvchat.core.engine.session import Session
 from kvchat.core.engine.settings import Settings
@@ -56,8 +57,9 @@ def test_triton_step_gives_the_graph_steps_replies_and_cache(policy, tokenizer):
 @interpreter
 def test_triton_attention_over_heads_of_different_capacities_and_several_splits(tokenizer):
     """Heads of one layer with different capacities and lengths (``headaware``'s per-head budgets), each head's
-    region read from its own first row, in two splits (capacities above ``graph_triton.SPLIT``; the second empty for
-    the shorter head until it passes slot 255): the graph step's logits, H2O's sums and the cache, step by step."""
+    region read from its own first row, in four splits of 128 slots (``graph_triton.SPLIT``: for the shorter head the
+    third empty until it passes slot 255, the fourth always): the graph step's logits, H2O's sums and the cache, step by step."""
+    assert -(-400 // graph_triton.SPLIT) == 4  # the widest head's splits
     sessions = _steps(tokenizer, "h2o", budget=400)
     torch.manual_seed(2)
     prompt = torch.randint(10, 1000, (260,)).tolist()
@@ -133,8 +135,8 @@ def _hopper():
 def test_every_launch_of_a_bf16_step_compiles_for_a_hopper_gpu(tokenizer, monkeypatch):
     """What the interpreter cannot check — the kernels' types, their products' shapes, the loops' bounds — checked on
     the CPU: every distinct launch a bf16 step makes (its arguments' types and constants as launched: H2O's sums,
-    SnapKV's query ring, the first layer's norm without a sum) compiled by Triton for sm_90 (an H100), to PTX and
-    machine code."""
+    SnapKV's query ring, the first layer's norm without a sum; heads of 16 and of 128 dimensions, 4 and 8 warps)
+    compiled by Triton for sm_90 (an H100), to PTX and machine code."""
     import inspect
 
     from triton.runtime.jit import mangle_type
@@ -156,9 +158,11 @@ def test_every_launch_of_a_bf16_step_compiles_for_a_hopper_gpu(tokenizer, monkey
             return launch
 
     monkeypatch.setattr(graph_triton, "_kernel", Recorder)
-    for policy in ("streaming", "h2o", "snapkv"):
-        model = build_tiny("llama", tokenizer).to(torch.bfloat16)
-        cm = ChatModel.from_pretrained_model(model, tokenizer, name="tiny", decode="graph")
+    wide = LlamaConfig(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                       num_attention_heads=2, num_key_value_heads=1)  # heads of 128, as Llama-3-8B's (8 warps)
+    for policy, model in [(p, build_tiny("llama", tokenizer)) for p in ("streaming", "h2o", "snapkv")] + \
+            [("h2o", AutoModelForCausalLM.from_config(wide))]:
+        cm = ChatModel.from_pretrained_model(model.to(torch.bfloat16), tokenizer, name="tiny", decode="graph")
         cm.step = GraphStep(cm.model, triton=True)
         session = Session(cm, _settings(policy), system=None, sampling=GREEDY)
         session.feed_raw(list(range(20, 40)), score=False)
@@ -166,6 +170,7 @@ def test_every_launch_of_a_bf16_step_compiles_for_a_hopper_gpu(tokenizer, monkey
             session._feed([([token], len(session.messages) - 1)], continue_message=True)
         assert cm.step.triton and cm.step.replays == 2
     flags = {(name, dict(c).get("ACC"), dict(c).get("RING"), dict(c).get("ADD")) for name, _, c in launches}
+    assert {dict(c).get("num_warps") for name, _, c in launches if name == "attend_part"} == {4, 8}
     assert {("attend_done", True, None, None), ("attend_done", False, None, None), ("rotate_write", None, True, None),
             ("add_norm", None, None, False), ("add_norm", None, None, True)} <= flags
     # compiled in a process of its own: Triton compiles nothing in one whose interpreter is on (TRITON_INTERPRET)
@@ -185,9 +190,11 @@ from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
 from kvchat.core.decode import graph_triton_kernels as source
 for name, types, constants in json.load(sys.stdin):
-    signature = {p: t for p, t in types} | {p: "constexpr" for p, _ in constants}
-    kernel = triton.compile(ASTSource(JITFunction(getattr(source, name)), signature, dict(constants)),
-                            target=GPUTarget("cuda", 90, 32))
+    options = {k: v for k, v in constants if k in ("num_warps", "num_stages")}  # the launch's, not the kernel's
+    constants = {k: v for k, v in constants if k not in options}
+    signature = {p: t for p, t in types} | {p: "constexpr" for p in constants}
+    kernel = triton.compile(ASTSource(JITFunction(getattr(source, name)), signature, constants),
+                            target=GPUTarget("cuda", 90, 32), options=options)
     print("compiled" if kernel.asm["cubin"] else "empty")
 """
 

@@ -107,7 +107,7 @@ def attend_part(q, keys, values, offs, n, part_m, part_l, part_o, chunk, scaling
     base = (h * SPLITS + sp) * GP + g
     tl.store(part_m + base, m)
     tl.store(part_l + base, total)
-    tl.store(part_o + base[:, None] * DP + j[None, :], acc)
+    tl.store(part_o + base[:, None] * DP + j[None, :], acc, mask=(g < G)[:, None])  # the queries' rows alone
 
 
 def attend_done(q, keys, offs, n, part_m, part_l, part_o, acc, out, chunk, scaling, G: tl.constexpr,
@@ -120,21 +120,20 @@ def attend_done(q, keys, offs, n, part_m, part_l, part_o, acc, out, chunk, scali
     g = tl.arange(0, GP)
     j = tl.arange(0, DP)
     jin = j < D
-    every = tl.arange(0, SPLITS)
-    ms = tl.load(part_m + (h * SPLITS + every)[:, None] * GP + g[None, :])  # [SPLITS, GP]; -inf: an empty split
-    top = tl.max(ms, axis=0)
-    total = tl.sum(tl.load(part_l + (h * SPLITS + every)[:, None] * GP + g[None, :]) * tl.exp(ms - top[None, :]),
-                   axis=0)
-    if sp == 0:
-        o = tl.zeros([GP, DP], tl.float32)
-        for t in range(0, SPLITS):
-            base = (h * SPLITS + t) * GP + g
-            weight = tl.exp(tl.load(part_m + base) - top)
-            o += tl.load(part_o + base[:, None] * DP + j[None, :]) * weight[:, None]
-        inside = (g < G)[:, None] & jin[None, :]
-        tl.store(out + (h * G + g)[:, None] * D + j[None, :], (o / total[:, None]).to(out.dtype.element_ty),
-                 mask=inside)
-    if ACC:
+    every = tl.arange(0, SPLITS)  # a split's maximum is -inf where it held no slot: its weight 0
+    if sp == 0:  # per query: its splits' outputs as one [SPLITS, DP] tile, weighted and summed
+        for gi in range(G):
+            at = (h * SPLITS + every) * GP + gi
+            m_g = tl.load(part_m + at)
+            weight = tl.exp(m_g - tl.max(m_g, axis=0))
+            o = tl.sum(tl.load(part_o + at[:, None] * DP + j[None, :]) * weight[:, None], axis=0)
+            o = o / tl.sum(tl.load(part_l + at) * weight, axis=0)
+            tl.store(out + (h * G + gi) * D + j, o.to(out.dtype.element_ty), mask=jin)
+    if ACC:  # each slot's probability: its score against every split's maximum and sum, per query
+        ms = tl.load(part_m + (h * SPLITS + every)[:, None] * GP + g[None, :])  # [SPLITS, GP]
+        top = tl.max(ms, axis=0)
+        total = tl.sum(tl.load(part_l + (h * SPLITS + every)[:, None] * GP + g[None, :]) * tl.exp(ms - top[None, :]),
+                       axis=0)
         qv = tl.load(q + (h * G + g)[:, None] * D + j[None, :], mask=(g < G)[:, None] & jin[None, :],
                      other=0.0).to(tl.float32)
         last = tl.load(n + h).to(tl.int32)  # the loop bounds in one type
