@@ -324,3 +324,24 @@ def test_a_second_graph_step_over_the_same_model_holds_no_second_copy_of_its_wei
         for i in (1, 4):  # q/k/v, gate/up
             assert a[i][0].data_ptr() == b[i][0].data_ptr() and a[i][0].shape == b[i][0].shape
     assert all(torch.equal(x, y) for x, y in zip(before, model.parameters()))
+
+
+def test_rotary_table_gives_each_positions_bits_and_grows_with_the_positions(tokenizer):
+    """The step reads its token's rotary cos and sin' from a table the model's rotary module made for the first
+    4,096 positions at once: the bits it gives one position at a time; a later position doubles the table (the
+    first positions' rows unchanged) and the plans made over the old one are made (captured) again."""
+    _, graph = _pair("llama", tokenizer)
+    step = graph.step
+    session = Session(graph, Settings(policy="streaming", budget=48, window=8, slack=8), sampling=GREEDY)
+    session.chat(MESSAGES[0])
+    plan, first = step._plans[session.cache], step._table
+    assert first.shape[1] == 4096 and plan.table is first
+    for p in (0, 17, 4095):
+        cos, sin = step._rope(torch.empty(1, 1, 1), torch.tensor([[p]]))
+        assert torch.equal(first[0, p], cos[0, 0]) and torch.equal(first[1, p], sin[0, 0])
+    grown = step._rope_table(5000)
+    cos, sin = step._rope(torch.empty(1, 1, 1), torch.tensor([[5000]]))
+    assert grown.shape[1] == 8192 and torch.equal(grown[:, :4096], first)
+    assert torch.equal(grown[0, 5000], cos[0, 0]) and torch.equal(grown[1, 5000], sin[0, 0])
+    session.chat(MESSAGES[1])
+    assert step._plans[session.cache] is not plan and step._plans[session.cache].table is grown

@@ -52,6 +52,7 @@ from .parts import SILU
 
 log = logging.getLogger(__name__)
 INPUTS = 5  # token, rotary position, absolute position, the window's row, steps since the lengths were uploaded
+ROPE_TABLE = 4096  # positions in the first rotary table (``GraphStep._rope_table``)
 
 
 @dataclass(eq=False)
@@ -92,6 +93,7 @@ class _Plan:
     copied: object = None  # CUDA: the event after the last copy of the inputs out of the pinned buffer
     graph: object = None
     logits: torch.Tensor | None = None
+    table: torch.Tensor | None = None  # the rotary table it reads (``GraphStep._rope_table``)
 
 
 class GraphStep(DecodeStep):
@@ -126,6 +128,7 @@ class GraphStep(DecodeStep):
 
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> _Plan
+        self._table: torch.Tensor | None = None  # rotary cos and sin' of the first positions (``_rope_table``)
         self._lock = threading.Lock()  # sessions sharing the model in several threads: one capture or replay at a time
         self.captures = self.replays = self.eager_calls = 0
         self.capture_ms: list[float] = []
@@ -231,10 +234,11 @@ class GraphStep(DecodeStep):
         return layers, watch
 
     def _replay(self, token: int | torch.Tensor, pos: int, abs_pos: int, cache, observer, lens, key) -> torch.Tensor:
+        table = self._rope_table(pos)
         plan = self._plans.get(cache)
-        if plan is None or plan.key != key:
+        if plan is None or plan.key != key or plan.table is not table:
             plan = self._plans[cache] = self._plan(cache, observer, key)
-            key = plan.key
+            plan.table, key = table, plan.key
         if lens != plan.expected:  # a compression, a recall or a reload moved the heads' lengths: upload them
             plan.lens.copy_(torch.tensor(lens))
             plan.steps = 0
@@ -267,6 +271,17 @@ class GraphStep(DecodeStep):
             ring.total += 1
             observer.ring_written(ring)
         return logits
+
+    def _rope_table(self, pos: int) -> torch.Tensor:
+        """Rotary cos and sin' of positions [0, L) as [2, L, head_dim], made once by the model's rotary module (which
+        is element-wise in the position: the bits it gives one position at a time), read by the step at its token's
+        position: one kernel where computing them ran about ten. L doubles from 4,096 when a position reaches it (in
+        ``rerotate`` mode positions stay near the cache's capacity); plans over an older table capture again."""
+        if self._table is None or pos >= self._table.shape[1]:
+            size = max(ROPE_TABLE, 1 << pos.bit_length())
+            x = torch.empty(1, 1, 1, dtype=self.dtype, device=self.device)  # the rotary module reads its dtype alone
+            self._table = torch.cat(self._rope(x, torch.arange(size, device=self.device)[None]))
+        return self._table
 
     def _plan(self, cache, observer, key) -> _Plan:
         dev = self.device
@@ -350,8 +365,7 @@ class GraphStep(DecodeStep):
         inputs = plan.inputs
         token, pos, absolute, row, steps = inputs[0:1], inputs[1:2], inputs[2:3], inputs[3:4], inputs[4]
         x = self.embed(token[None])
-        cos, sin = self._rope(x, pos[None])
-        cos, sin = cos[:, None], sin[:, None]
+        cos, sin = plan.table.index_select(1, pos).view(2, 1, 1, 1, -1)  # each [1, 1, 1, head_dim]
         positions = (pos.to(torch.int32), absolute.to(torch.int32), pos.float(), row)
         n_all = plan.lens + steps  # [layers, heads]: the slots each head held before this token
         at_all = plan.offs + n_all  # [layers, heads]: the token's row in each layer's buffers
