@@ -29,11 +29,11 @@ except ImportError:
 interpreter = pytest.mark.skipif(_WHY is not None, reason=str(_WHY))
 
 
-def _steps(tokenizer, policy, budget=None):
+def _steps(tokenizer, policy, budget=None, arch="llama"):
     """One session per step over the same tiny fp32 model: the graph step as written, and in Triton's kernels."""
     out = []
     for use in (False, True):
-        cm = ChatModel.from_pretrained_model(build_tiny("llama", tokenizer), tokenizer, name="tiny", decode="graph")
+        cm = ChatModel.from_pretrained_model(build_tiny(arch, tokenizer), tokenizer, name="tiny", decode="graph")
         cm.step = GraphStep(cm.model, triton=use)
         assert cm.step.triton == use and cm.step.compile_error is None
         settings = _settings(policy) if budget is None else Settings(policy=policy, budget=budget)
@@ -42,11 +42,13 @@ def _steps(tokenizer, policy, budget=None):
 
 
 @interpreter
-@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "tova"])
-def test_triton_step_gives_the_graph_steps_replies_and_cache(policy, tokenizer):
+@pytest.mark.parametrize("arch, policy", [("llama", p) for p in ("streaming", "h2o", "snapkv", "tova")]
+                         + [("qwen2", "h2o")])
+def test_triton_step_gives_the_graph_steps_replies_and_cache(arch, policy, tokenizer):
     """Three replies through compressions: the same greedy answers, and the same cache within 1e-5 — keys,
-    values, positions, storage rows, H2O's sums and SnapKV's query window, which the kernels write."""
-    a, b = _steps(tokenizer, policy)
+    values, positions, storage rows, H2O's sums and SnapKV's query window, which the kernels write (Qwen2: q/k/v
+    with biases)."""
+    a, b = _steps(tokenizer, policy, arch=arch)
     for text in MESSAGES:
         assert b.chat(text).answer == a.chat(text).answer
     assert b.evicted_total == a.evicted_total > 0
