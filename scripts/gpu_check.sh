@@ -3,7 +3,8 @@
 # `kvchat bench speed --device cuda`. Needs .gpu/ from scripts/gpu_prepare.sh (carry: [".gpu"]). Everything it
 # writes goes to $OUT: gpu.txt, tests.log, bench.log, bench/results/speed-cuda.json (or .partial.json),
 # bench/RESULTS.md.
-#   TESTS_S: the tests' time limit (0: no tests; the compiled step's tests, the slowest to compile, run last); TOTAL_S: both parts' (the bench gets what the tests left, seconds);
+#   TESTS_S: the tests' time limit (0: no tests; the compiled step's tests, the slowest to compile, run last);
+#   TOTAL_S: both parts' (the bench gets what the tests left, seconds);
 #   BENCH_ARGS: more options for the bench.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvchat-gpu}
