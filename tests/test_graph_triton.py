@@ -60,7 +60,8 @@ def test_triton_step_gives_the_graph_steps_replies_and_cache(arch, policy, token
 def test_triton_attention_over_heads_of_different_capacities_and_several_splits(tokenizer):
     """Heads of one layer with different capacities and lengths (``headaware``'s per-head budgets), each head's
     region read from its own first row, in four splits of 128 slots (``graph_triton.SPLIT``: for the shorter head the
-    third empty until it passes slot 255, the fourth always): the graph step's logits, H2O's sums and the cache, step by step."""
+    third empty until it passes slot 255, the fourth always): the graph step's logits, H2O's sums and the cache, step
+    by step."""
     assert -(-400 // graph_triton.SPLIT) == 4  # the widest head's splits
     sessions = _steps(tokenizer, "h2o", budget=400)
     torch.manual_seed(2)
@@ -123,7 +124,7 @@ def test_decode_triton_off_cuda_is_kvchats_eager_step(tokenizer):
 
 
 def _hopper():
-    """Why the kernels cannot be compiled for a GPU here, None if they can (Triton's NVIDIA backend, its ptxas)."""
+    """Why the kernels cannot be compiled for a GPU here, None if they can (Triton's NVIDIA backend, with its ptxas)."""
     if _WHY is not None:
         return _WHY
     try:
@@ -143,20 +144,20 @@ def test_every_launch_of_a_bf16_step_compiles_for_a_hopper_gpu(tokenizer, monkey
 
     from triton.runtime.jit import mangle_type
 
-    from kvchat.core.decode import graph_triton, graph_triton_kernels
+    from kvchat.core.decode import graph_triton_kernels
 
     launches, kernel = {}, graph_triton._kernel
 
     class Recorder:
-        def __init__(self, name, like):
-            self.name, self.like = name, like
+        def __init__(self, name):
+            self.name = name
 
         def __getitem__(self, grid):
             def launch(*args, **constants):
                 params = list(inspect.signature(getattr(graph_triton_kernels, self.name)).parameters)
                 types = tuple((p, mangle_type(a)) for p, a in zip(params, args))
                 launches[(self.name, types, tuple(sorted(constants.items())))] = None
-                return kernel(self.name, self.like)[grid](*args, **constants)
+                return kernel(self.name)[grid](*args, **constants)
             return launch
 
     monkeypatch.setattr(graph_triton, "_kernel", Recorder)

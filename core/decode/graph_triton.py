@@ -2,7 +2,7 @@
 10 kernels a layer where ``graph_layer.layer`` runs about 25, each of them small enough that a replay's time
 is mostly the gaps between them (docs/gpu.md). A layer is
 
-    add + norm     the residual sum of the last layer's output and its RMS norm, one kernel (``_add_norm``)
+    add + norm     the residual sum of the last layer's output and its RMS norm, one kernel (``add_norm``)
     q/k/v          one product (cuBLAS)
     rotate + write the rotary embedding of q and k; k, v, the positions, the storage row and the statistics'
                    reset written at each head's new slot; the query window's row (SnapKV): one kernel
@@ -81,8 +81,8 @@ def add_norm(x: torch.Tensor, y: torch.Tensor | None, norm: tuple) -> tuple[torc
     width = x.shape[-1]
     total = torch.empty_like(x) if y is not None else x
     normed = torch.empty_like(x)
-    _kernel("add_norm", x)[(1,)](x, y if y is not None else x, weight, total, normed, eps, N=width, NP=_pow2(width),
-                                 ADD=y is not None)
+    _kernel("add_norm")[(1,)](x, y if y is not None else x, weight, total, normed, eps, N=width, NP=_pow2(width),
+                              ADD=y is not None)
     return total, normed
 
 
@@ -90,7 +90,7 @@ def silu_mul(gate_up: torch.Tensor, inner: int) -> torch.Tensor:
     """SiLU(gate) * up of one token's [.., 2 * inner] product, [1, 1, inner]."""
     out = torch.empty(1, 1, inner, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, _pow2(inner))
-    _kernel("silu_mul", gate_up)[(-(-inner // block),)](gate_up, out, inner, B=block)
+    _kernel("silu_mul")[(-(-inner // block),)](gate_up, out, inner, B=block)
     return out
 
 
@@ -108,11 +108,12 @@ def attend(q, keys, values, offs, n, acc, cap: int, scaling: float, heads: int) 
     part_l, part_o = torch.empty_like(part_m), torch.empty(heads, splits, gp, dp, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    # 8 warps for 128-wide heads: the fp32 tiles fit in registers without spilling (4 spill; ptxas -v, sm_90)
+    # 8 warps for heads wider than 64: 128-wide ones' fp32 tiles then fit in registers (4 warps spilled: ptxas -v,
+    # sm_90)
     consts = dict(G=groups, GP=gp, D=d, DP=dp, B=BLOCK, SPLITS=splits, PREC=precision, num_warps=8 if d > 64 else 4)
-    _kernel("attend_part", q)[(heads, splits)](q, keys, values, offs, n, part_m, part_l, part_o, chunk, scaling,
-                                               **consts)
-    _kernel("attend_done", q)[(heads, splits if acc is not None else 1)](  # split 0 writes the output
+    _kernel("attend_part")[(heads, splits)](q, keys, values, offs, n, part_m, part_l, part_o, chunk, scaling,
+                                            **consts)
+    _kernel("attend_done")[(heads, splits if acc is not None else 1)](  # split 0 writes the output
         q, keys, offs, n, part_m, part_l, part_o, acc if acc is not None else part_m, out, chunk, scaling,
         ACC=acc is not None, **consts)
     return out
@@ -125,7 +126,7 @@ def _rotate_write(qkv, cos, sin, at, positions, buffers, nq, nk, d, heads) -> to
     pos32, abs32, posf, row = positions
     q = torch.empty(nq // d, d, dtype=keys.dtype, device=keys.device)
     groups = nq // nk
-    _kernel("rotate_write", keys)[(heads,)](
+    _kernel("rotate_write")[(heads,)](
         qkv, cos, sin, at, pos32, abs32, posf, row, keys, values, k0 if k0 is not None else keys, abs_pos, computed,
         rows, stat if stat is not None else cos, ring_q if ring_q is not None else q,
         ring_pos if ring_pos is not None else cos, q, NQ=nq, NK=nk, G=groups, GP=_pow2(groups), D=d, DP=_pow2(d),
@@ -137,7 +138,7 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _kernel(name: str, like: torch.Tensor):
+def _kernel(name: str):
     """The kernel ``name``: compiled by Triton for the GPU, or run by its interpreter (``TRITON_INTERPRET=1`` when
     Triton is first imported: the tests on a CPU)."""
     return _kernels()[name]
