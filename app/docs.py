@@ -39,8 +39,10 @@ OTHER_FLAGS = (
      "(`core/decode/graph.py`; uncaptured on the CPU); `compiled`: on the CPU the eager step, every layer in one "
      "`torch.compile` graph (fp32 models; a minute or two to compile the first time, seconds once inductor's cache "
      "has it; eager step if compiling fails), on CUDA the graph step with each layer compiled by `torch.compile` "
-     "into fused kernels before it is captured (the graph step uncompiled if compiling fails); `model`: every step "
-     "through the model's forward"),
+     "into fused kernels before it is captured (the graph step uncompiled if compiling fails); `triton` (CUDA): the "
+     "graph step with each layer in kvchat's own Triton kernels, 10 a layer ([gpu.md](gpu.md#the-triton-kernels); "
+     "the graph step as written if Triton fails or does not serve the model; on the CPU the eager step); `model`: "
+     "every step through the model's forward"),
     ("`--chat-template`", "the model's",
      "`plain` or a Jinja file for models without one (GPT-2 gets `plain` automatically)"),
     ("`--db`", "`$KVCHAT_HOME/kvchat.db`", "SQLite database"),
