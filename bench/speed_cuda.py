@@ -154,7 +154,7 @@ def policy_cell(cm, policy: str, budget: int, steps: int, device: str, profile: 
                    step=_variant(step), compile_error=step.compile_error)
     if device == "cuda":
         out["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
-        replay = step.replay_ms(session.cache) if before is not None else None
+        replay = kernels.replay_ms(step, session.cache) if before is not None else None
         if replay is not None:  # the step alone: the device's time for one replay
             out["graph_ms"] = replay
     if profile and before is not None:  # what a step's time goes to: its kernels, and the gaps between them

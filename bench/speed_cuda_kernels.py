@@ -17,10 +17,26 @@ from .speed_cuda_baselines import sync
 TOP = 8  # kernels listed per profile, the longest first
 
 
+def replay_ms(step, cache, times: int = 50) -> float | None:
+    """The device's time for one replay of ``cache``'s captured step on ``step`` (a ``GraphStep``; CUDA events around
+    ``times`` replays), None without a capture. Each replay writes the last token's slot again: after a reply."""
+    replay = step.stepper(cache, captured=True) if step.capture else None
+    if replay is None:
+        return None
+    replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(times):
+        replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / times
+
+
 def profile_step(step, cache, layers: int, times: int = 20) -> dict | None:
     """The kernels of one step of ``cache``'s plan on ``step`` (a ``GraphStep``), averaged over ``times`` steps:
     their count and time a step, per layer, and the longest ``TOP`` by name. None without a plan. Like
-    ``GraphStep.replay_ms``, each step writes the last token's slot again: for benches, after a reply."""
+    ``replay_ms``, each step writes the last token's slot again: for benches, after a reply."""
     from torch.profiler import ProfilerActivity, profile
 
     if step.stepper(cache) is None:

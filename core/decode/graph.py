@@ -200,21 +200,6 @@ class GraphStep(DecodeStep):
         with self._lock, torch.cuda.device(self.device) if self.capture else contextlib.nullcontext():
             return self._replay(token, int(pos[0]), int(abs_pos[0]), cache, observer, lens, key)
 
-    def replay_ms(self, cache, times: int = 50) -> float | None:
-        """The device's time for one replay of ``cache``'s captured step (CUDA events around ``times`` replays),
-        None without one. Each replay writes the last token's slot again: for benches, after a reply."""
-        plan = self._plans.get(cache)
-        if plan is None or plan.graph is None:
-            return None
-        plan.graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(times):
-            plan.graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / times
-
     def stepper(self, cache, captured: bool = True):
         """A function taking one step of ``cache``'s plan: its graph's replay (``captured``, where there is one),
         else the step as written, uncaptured; None without a plan. What benches time and profile: each step writes the
