@@ -21,7 +21,7 @@ def replay_ms(step, cache, times: int = 50) -> float | None:
     """The device's time for one replay of ``cache``'s captured step on ``step`` (a ``GraphStep``; CUDA events around
     ``times`` replays), None without a capture. Each replay writes the last token's slot again: after a reply."""
     replay = step.stepper(cache, captured=True) if step.capture else None
-    if replay is None:
+    if not isinstance(getattr(replay, "__self__", None), torch.cuda.CUDAGraph):  # no plan, or none captured
         return None
     replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
