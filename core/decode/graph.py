@@ -351,9 +351,11 @@ class GraphStep(DecodeStep):
         token, pos, absolute, row, steps = inputs[0:1], inputs[1:2], inputs[2:3], inputs[3:4], inputs[4]
         x = self.embed(token[None])
         cos, sin = plan.table.index_select(1, pos).view(2, 1, 1, 1, -1)  # each [1, 1, 1, head_dim]
-        positions = (pos.to(torch.int32), absolute.to(torch.int32), pos.float(), row)
-        n_all = plan.lens + steps  # [layers, heads]: the slots each head held before this token
-        at_all = plan.offs + n_all  # [layers, heads]: the token's row in each layer's buffers
+        positions = n_all = at_all = None  # Triton's kernels read the inputs, lengths and offsets themselves
+        if not self.triton:
+            positions = (pos.to(torch.int32), absolute.to(torch.int32), pos.float(), row)
+            n_all = plan.lens + steps  # [layers, heads]: the slots each head held before this token
+            at_all = plan.offs + n_all  # [layers, heads]: the token's row in each layer's buffers
         caps = {layer.caps[0] if layer.uniform_caps else -1 for layer in cache.layers}
         later_all, y = None, None
         if len(caps) == 1 and -1 not in caps and not self.triton:  # [layers, heads, 1, capacity]: the later slots
@@ -370,8 +372,8 @@ class GraphStep(DecodeStep):
                        ring.queries[i] if ring is not None else None, ring.positions[i] if ring is not None else None,
                        gather, plan.slots[cap])
             if self.triton:  # the layer's output added to the residual by the next layer's first kernel
-                x, y = graph_triton.layer(x, y, cos, sin, n_all[i], at_all[i], plan.offs[i], positions,
-                                          self.weights[i], buffers, self.shapes[i])
+                x, y = graph_triton.layer(x, y, cos, sin, plan.lens[i], plan.offs[i], inputs, self.weights[i], buffers,
+                                          self.shapes[i])
                 continue
             later = later_all[i] if later_all is not None else None
             x = self._layer(x, cos, sin, n_all[i], at_all[i], later, positions, self.weights[i], buffers,

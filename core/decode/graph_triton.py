@@ -50,21 +50,22 @@ def unsupported(weights: list, final, head_dim: int, device: torch.device) -> st
     return None
 
 
-def layer(x, y, cos, sin, n, at, offs, positions, weights, buffers, shape) -> tuple[torch.Tensor, torch.Tensor]:
+def layer(x, y, cos, sin, lens, offs, inputs, weights, buffers, shape) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer of one token's step: what ``graph_layer.layer`` computes, from the residual ``x`` and the last
     layer's output ``y`` not yet added to it (None before the first layer); returns them for the next layer
-    (``finish`` adds the last). ``offs``: each head's first row in the layer's buffers; the rest as
-    ``graph_layer.layer`` takes them."""
+    (``finish`` adds the last). ``lens``, ``offs``: each head's length at the last upload and first row in the
+    layer's buffers; ``inputs``: the step's (``graph.INPUTS``: the positions, the window's row, the steps since the
+    upload), which the kernels read; the rest as ``graph_layer.layer`` takes them."""
     nq, nk, d, heads, inner, scaling = shape
     norm1, qkv, o, norm2, gate_up, down, _ = weights
     keys, values, k0, abs_pos, computed, rows, stats, acc, ring_q, ring_pos, _, slots = buffers
     x, h = add_norm(x, y, norm1)
-    q = _rotate_write(F.linear(h, *qkv).view(-1), cos.reshape(-1), sin.reshape(-1), at, positions,
+    q = _rotate_write(F.linear(h, *qkv).view(-1), cos.reshape(-1), sin.reshape(-1), lens, offs, inputs,
                       (keys, values, k0, abs_pos, computed, rows, stats[0] if stats else None, ring_q, ring_pos),
                       nq, nk, d, heads)
-    for stat in stats[1:]:
-        stat.index_fill_(0, at, 0.0)
-    out = attend(q, keys, values, offs, n, acc, slots.shape[0], scaling, heads)
+    for stat in stats[1:]:  # the kernel resets one statistic (kvchat's policies keep one at most)
+        stat.index_fill_(0, offs + lens + inputs[4], 0.0)
+    out = attend(q, keys, values, offs, lens, inputs, acc, slots.shape[0], scaling, heads)
     x, h = add_norm(x, F.linear(out.view(1, 1, -1), *o), norm2)
     return x, F.linear(silu_mul(F.linear(h, *gate_up), inner), *down)
 
@@ -94,10 +95,11 @@ def silu_mul(gate_up: torch.Tensor, inner: int) -> torch.Tensor:
     return out
 
 
-def attend(q, keys, values, offs, n, acc, cap: int, scaling: float, heads: int) -> torch.Tensor:
-    """Attention of the token's queries ``q`` ([query heads, d], rotated, unscaled) over each head's slots 0..n[h]
-    (rows ``offs[h] + slot`` of the layer's ``keys``/``values``, [rows, d]); ``acc``: H2O's accumulator, each slot's
-    probability averaged over its head's queries added, or None. [query heads, d] in the values' dtype."""
+def attend(q, keys, values, offs, lens, inputs, acc, cap: int, scaling: float, heads: int) -> torch.Tensor:
+    """Attention of the token's queries ``q`` ([query heads, d], rotated, unscaled) over each head's slots 0..n,
+    n = ``lens[h]`` + ``inputs[4]`` (the steps since the lengths' upload): rows ``offs[h] + slot`` of the layer's
+    ``keys``/``values`` ([rows, d]); ``acc``: H2O's accumulator, each slot's probability averaged over its head's
+    queries added, or None. [query heads, d] in the values' dtype."""
     queries, d = q.shape
     groups = queries // heads
     gp, dp = max(16, _pow2(groups)), _pow2(d)
@@ -111,23 +113,23 @@ def attend(q, keys, values, offs, n, acc, cap: int, scaling: float, heads: int) 
     # 8 warps for heads wider than 64: 128-wide ones' fp32 tiles then fit in registers (4 warps spilled: ptxas -v,
     # sm_90)
     consts = dict(G=groups, GP=gp, D=d, DP=dp, B=BLOCK, SPLITS=splits, PREC=precision, num_warps=8 if d > 64 else 4)
-    _kernel("attend_part")[(heads, splits)](q, keys, values, offs, n, part_m, part_l, part_o, chunk, scaling,
-                                            **consts)
+    _kernel("attend_part")[(heads, splits)](q, keys, values, offs, lens, inputs, part_m, part_l, part_o, chunk,
+                                            scaling, **consts)
     _kernel("attend_done")[(heads, splits if acc is not None else 1)](  # split 0 writes the output
-        q, keys, offs, n, part_m, part_l, part_o, acc if acc is not None else part_m, out, chunk, scaling,
+        q, keys, offs, lens, inputs, part_m, part_l, part_o, acc if acc is not None else part_m, out, chunk, scaling,
         ACC=acc is not None, **consts)
     return out
 
 
-def _rotate_write(qkv, cos, sin, at, positions, buffers, nq, nk, d, heads) -> torch.Tensor:
+def _rotate_write(qkv, cos, sin, lens, offs, inputs, buffers, nq, nk, d, heads) -> torch.Tensor:
     """The rotated queries [query heads, d] (the model's dtype); the rotated key, the value, the positions, the row
-    (-1: none yet) and the statistic's reset written at each head's new row ``at``; the query window's row."""
+    (-1: none yet) and the statistic's reset written at each head's new row (``offs + lens + inputs[4]``); the query
+    window's row."""
     keys, values, k0, abs_pos, computed, rows, stat, ring_q, ring_pos = buffers
-    pos32, abs32, posf, row = positions
     q = torch.empty(nq // d, d, dtype=keys.dtype, device=keys.device)
     groups = nq // nk
     _kernel("rotate_write")[(heads,)](
-        qkv, cos, sin, at, pos32, abs32, posf, row, keys, values, k0 if k0 is not None else keys, abs_pos, computed,
+        qkv, cos, sin, lens, offs, inputs, keys, values, k0 if k0 is not None else keys, abs_pos, computed,
         rows, stat if stat is not None else cos, ring_q if ring_q is not None else q,
         ring_pos if ring_pos is not None else cos, q, NQ=nq, NK=nk, G=groups, GP=_pow2(groups), D=d, DP=_pow2(d),
         K0=k0 is not None, STAT=stat is not None, RING=ring_q is not None)

@@ -32,7 +32,7 @@ def silu_mul(gate_up, out, inner, B: tl.constexpr):
     tl.store(out + i, (g * tl.sigmoid(g) * u).to(out.dtype.element_ty), mask=inside)
 
 
-def rotate_write(qkv, cos, sin, at, pos32, abs32, posf, row, keys, values, k0, abs_pos, computed, rows, stat, ring_q,
+def rotate_write(qkv, cos, sin, lens, offs, inputs, keys, values, k0, abs_pos, computed, rows, stat, ring_q,
                  ring_pos, q, NQ: tl.constexpr, NK: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
                  DP: tl.constexpr, K0: tl.constexpr, STAT: tl.constexpr, RING: tl.constexpr):
     h = tl.program_id(0)
@@ -42,7 +42,7 @@ def rotate_write(qkv, cos, sin, at, pos32, abs32, posf, row, keys, values, k0, a
     c = tl.load(cos + j, mask=jin, other=0.0).to(tl.float32)
     s = tl.load(sin + j, mask=jin, other=0.0).to(tl.float32)
     # the key and the value at the head's new row, with the row's positions, storage row and statistic
-    r = tl.load(at + h)
+    r = tl.load(offs + h) + tl.load(lens + h) + tl.load(inputs + 4)  # inputs: token, pos, abs pos, row, steps
     kx = qkv + NQ + h * D
     k = (tl.load(kx + j, mask=jin, other=0.0).to(tl.float32) * c
          + tl.load(kx + turned, mask=jin, other=0.0).to(tl.float32) * s).to(keys.dtype.element_ty)
@@ -51,8 +51,8 @@ def rotate_write(qkv, cos, sin, at, pos32, abs32, posf, row, keys, values, k0, a
         tl.store(k0 + r * D + j, k, mask=jin)
     v = tl.load(qkv + NQ + NK + h * D + j, mask=jin, other=0.0)
     tl.store(values + r * D + j, v.to(values.dtype.element_ty), mask=jin)
-    tl.store(abs_pos + r, tl.load(abs32))
-    tl.store(computed + r, tl.load(pos32))
+    tl.store(abs_pos + r, tl.load(inputs + 2).to(tl.int32))
+    tl.store(computed + r, tl.load(inputs + 1).to(tl.int32))
     tl.store(rows + r, -1)
     if STAT:
         tl.store(stat + r, 0.0)
@@ -65,17 +65,18 @@ def rotate_write(qkv, cos, sin, at, pos32, abs32, posf, row, keys, values, k0, a
     qx = qx.to(q.dtype.element_ty)
     tl.store(q + heads * D + j[None, :], qx, mask=inside)
     if RING:
-        w = tl.load(row)
+        w = tl.load(inputs + 3)
         tl.store(ring_q + w * NQ + heads * D + j[None, :], qx.to(tl.float32), mask=inside)
         if h == 0:
-            tl.store(ring_pos + w, tl.load(posf))
+            tl.store(ring_pos + w, tl.load(inputs + 1).to(tl.float32))
 
 
-def attend_part(q, keys, values, offs, n, part_m, part_l, part_o, chunk, scaling, G: tl.constexpr,
+def attend_part(q, keys, values, offs, lens, inputs, part_m, part_l, part_o, chunk, scaling, G: tl.constexpr,
                 GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, B: tl.constexpr, SPLITS: tl.constexpr,
                 PREC: tl.constexpr):
-    """Split ``sp`` of head ``h``: slots [sp * chunk, min((sp + 1) * chunk, n[h] + 1)), an online softmax over
-    them: the running maximum, sum and weighted values per query (part_m, part_l, part_o)."""
+    """Split ``sp`` of head ``h``: slots [sp * chunk, min((sp + 1) * chunk, n + 1)) (n: the new token's, the head's
+    length at the upload plus the steps since), an online softmax over them: the running maximum, sum and weighted
+    values per query (part_m, part_l, part_o)."""
     h = tl.program_id(0)
     sp = tl.program_id(1)
     g = tl.arange(0, GP)
@@ -83,7 +84,7 @@ def attend_part(q, keys, values, offs, n, part_m, part_l, part_o, chunk, scaling
     jin = j < D
     qv = tl.load(q + (h * G + g)[:, None] * D + j[None, :], mask=(g < G)[:, None] & jin[None, :],
                  other=0.0).to(tl.float32)
-    last = tl.load(n + h).to(tl.int32)  # the loop bounds in one type
+    last = (tl.load(lens + h) + tl.load(inputs + 4)).to(tl.int32)  # the new slot; the bounds in one type
     first = tl.load(offs + h)
     lo = sp * chunk
     hi = tl.minimum(lo + chunk, last + 1)
@@ -110,7 +111,7 @@ def attend_part(q, keys, values, offs, n, part_m, part_l, part_o, chunk, scaling
     tl.store(part_o + base[:, None] * DP + j[None, :], acc, mask=(g < G)[:, None])  # the queries' rows alone
 
 
-def attend_done(q, keys, offs, n, part_m, part_l, part_o, acc, out, chunk, scaling, G: tl.constexpr,
+def attend_done(q, keys, offs, lens, inputs, part_m, part_l, part_o, acc, out, chunk, scaling, G: tl.constexpr,
                 GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, B: tl.constexpr, SPLITS: tl.constexpr,
                 PREC: tl.constexpr, ACC: tl.constexpr):
     """The splits of head ``h`` combined: split 0's program writes the output; with ``ACC`` each split's program
@@ -136,7 +137,7 @@ def attend_done(q, keys, offs, n, part_m, part_l, part_o, acc, out, chunk, scali
                        axis=0)
         qv = tl.load(q + (h * G + g)[:, None] * D + j[None, :], mask=(g < G)[:, None] & jin[None, :],
                      other=0.0).to(tl.float32)
-        last = tl.load(n + h).to(tl.int32)  # the loop bounds in one type
+        last = (tl.load(lens + h) + tl.load(inputs + 4)).to(tl.int32)  # the new slot; the bounds in one type
         first = tl.load(offs + h)
         lo = sp * chunk
         hi = tl.minimum(lo + chunk, last + 1)
