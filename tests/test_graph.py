@@ -70,25 +70,32 @@ def test_graph_step_gives_the_eager_steps_replies_and_cache(arch, policy, tokeni
         assert sessions[1].evicted_total > 0
 
 
+def ragged_heads_step_alike(sessions: list[Session], n: int, caps: list[int], steps: int) -> None:
+    """The sessions read the same ``n`` random tokens; then in every layer head 0 forgets its first 7 positions and
+    gets fewer slots than head 1 (``caps``); then ``steps`` tokens, fed one at a time, give the first session's logits
+    within 1e-5 in the second."""
+    torch.manual_seed(2)
+    prompt = torch.randint(10, 1000, (n,)).tolist()
+    for s in sessions:
+        s.feed_raw(prompt, score=False)
+        for layer in s.cache.layers:
+            layer.keep([torch.arange(7, n), torch.arange(n)], caps=caps)
+        assert not s.cache.layers[0].uniform_caps
+    idx = len(sessions[0].messages) - 1
+    token = 5
+    for _ in range(steps):
+        logits = [s._feed([([token], idx)], continue_message=True)[0] for s in sessions]
+        torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
+        token = int(logits[0].argmax())
+
+
 @pytest.mark.parametrize("policy", ["h2o", "snapkv"])
 def test_heads_of_different_capacities(policy, tokenizer):
     """Per-head budgets (``headaware``'s on a real model): heads of one layer with different capacities and lengths
     go through the graph's gathered attention and give the eager step's logits, sums and window."""
     eager, graph = _pair("llama", tokenizer)
     sessions = [Session(cm, Settings(policy=policy, budget=100), system=None, sampling=GREEDY) for cm in (eager, graph)]
-    torch.manual_seed(2)
-    prompt = torch.randint(10, 1000, (30,)).tolist()
-    for s in sessions:
-        s.feed_raw(prompt, score=False)
-        for layer in s.cache.layers:  # head 0 forgets its first 7 positions and gets fewer slots than head 1
-            layer.keep([torch.arange(7, 30), torch.arange(30)], caps=[40, 56])
-        assert not s.cache.layers[0].uniform_caps
-    idx = len(sessions[0].messages) - 1
-    token = 5
-    for _ in range(9):
-        logits = [s._feed([([token], idx)], continue_message=True)[0] for s in sessions]
-        torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
-        token = int(logits[0].argmax())
+    ragged_heads_step_alike(sessions, 30, [40, 56], 9)
     assert graph.step.replays == 9 and graph.step.eager_calls == 0
     assert sessions[1].cache.layers[1].lens == [32, 39]
     _assert_same_cache(*sessions, atol=1e-5)

@@ -17,7 +17,8 @@ from kvchat.core.engine.session import Session
 from kvchat.core.engine.settings import Settings
 from kvchat.core.model.loading import ChatModel
 
-from test_graph import GREEDY, MESSAGES, _as_accurate, _assert_same_cache, _bf16_errors, _settings, cuda
+from test_graph import (GREEDY, MESSAGES, _as_accurate, _assert_same_cache, _bf16_errors, _settings, cuda,
+                        ragged_heads_step_alike)
 from tinymodels import build_tiny
 
 try:
@@ -64,19 +65,7 @@ def test_triton_attention_over_heads_of_different_capacities_and_several_splits(
     by step."""
     assert -(-400 // graph_triton.SPLIT) == 4  # the widest head's splits
     sessions = _steps(tokenizer, "h2o", budget=400)
-    torch.manual_seed(2)
-    prompt = torch.randint(10, 1000, (260,)).tolist()
-    for s in sessions:
-        s.feed_raw(prompt, score=False)
-        for layer in s.cache.layers:  # head 0 forgets its first 7 positions and gets far fewer slots than head 1
-            layer.keep([torch.arange(7, 260), torch.arange(260)], caps=[270, 400])
-        assert not s.cache.layers[0].uniform_caps
-    idx = len(sessions[0].messages) - 1
-    token = 5
-    for _ in range(6):
-        logits = [s._feed([([token], idx)], continue_message=True)[0] for s in sessions]
-        torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=0)
-        token = int(logits[0].argmax())
+    ragged_heads_step_alike(sessions, 260, [270, 400], 6)
     assert [s.model.step.replays for s in sessions] == [6, 6] and sessions[1].model.step.triton
     assert sessions[1].cache.layers[1].lens == [259, 266]
     _assert_same_cache(*sessions, atol=1e-5)
