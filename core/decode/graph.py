@@ -342,43 +342,52 @@ class GraphStep(DecodeStep):
 
     # -- the step ---------------------------------------------------------------------------------------------
     def _body(self, plan: _Plan, cache) -> torch.Tensor:
-        """One token through every layer over the cache's buffers, all on the device: what the graph records. What
-        every layer needs alike is computed once — each head's slot and row for the token in every layer, and, where
-        every layer has one capacity, the mask of the slots after it; each layer is ``_layer`` over tensors and
-        constants alone (``self._layer``: compiled by ``torch.compile`` with ``compiled``): a step's kernels are its
-        cost on a GPU (docs/gpu.md)."""
+        """One token through every layer over the cache's buffers, all on the device: what the graph records. The
+        layers run as written (``_as_written``) or in Triton's kernels (``_in_triton``): a step's kernels are its cost
+        on a GPU (docs/gpu.md)."""
+        x = self.embed(plan.inputs[0:1][None])
+        cos, sin = plan.table.index_select(1, plan.inputs[1:2]).view(2, 1, 1, 1, -1)  # each [1, 1, 1, head_dim]
+        return self.head((self._in_triton if self.triton else self._as_written)(plan, cache, x, cos, sin))[0]
+
+    def _as_written(self, plan: _Plan, cache, x, cos, sin) -> torch.Tensor:
+        """The layers and the final norm, each layer ``_layer`` over tensors and constants alone (``self._layer``:
+        compiled by ``torch.compile`` with ``compiled``). What every layer needs alike is computed once: each head's
+        slot and row for the token in every layer, and, where every layer has one capacity, the mask of the slots
+        after it."""
         inputs = plan.inputs
-        token, pos, absolute, row, steps = inputs[0:1], inputs[1:2], inputs[2:3], inputs[3:4], inputs[4]
-        x = self.embed(token[None])
-        cos, sin = plan.table.index_select(1, pos).view(2, 1, 1, 1, -1)  # each [1, 1, 1, head_dim]
-        positions = n_all = at_all = None  # Triton's kernels read the inputs, lengths and offsets themselves
-        if not self.triton:
-            positions = (pos.to(torch.int32), absolute.to(torch.int32), pos.float(), row)
-            n_all = plan.lens + steps  # [layers, heads]: the slots each head held before this token
-            at_all = plan.offs + n_all  # [layers, heads]: the token's row in each layer's buffers
+        pos, steps = inputs[1:2], inputs[4]
+        positions = (pos.to(torch.int32), inputs[2:3].to(torch.int32), pos.float(), inputs[3:4])
+        n_all = plan.lens + steps  # [layers, heads]: the slots each head held before this token
+        at_all = plan.offs + n_all  # [layers, heads]: the token's row in each layer's buffers
         caps = {layer.caps[0] if layer.uniform_caps else -1 for layer in cache.layers}
-        later_all, y = None, None
-        if len(caps) == 1 and -1 not in caps and not self.triton:  # [layers, heads, 1, capacity]: the later slots
+        later_all = None
+        if len(caps) == 1 and -1 not in caps:  # [layers, heads, 1, capacity]: the slots after the token's
             later_all = plan.slots[caps.pop()][None, None, None, :] > n_all[:, :, None, None]
-        ring = plan.ring
-        for i, (lay, layer) in enumerate(zip(self.layers, cache.layers)):
-            if layer.uniform_caps:
-                gather, cap = None, layer.caps[0]
-            else:
-                gather = plan.gather[layer.index]  # [heads, largest capacity] rows of the layer's buffers
-                cap = gather.shape[1]
-            buffers = (layer.keys, layer.values, layer.k0, layer.abs_pos, layer.computed, layer.rows,
-                       tuple(layer.stats.values()), layer.stats.get("acc") if plan.accumulate else None,
-                       ring.queries[i] if ring is not None else None, ring.positions[i] if ring is not None else None,
-                       gather, plan.slots[cap])
-            if self.triton:  # the layer's output added to the residual by the next layer's first kernel
-                x, y = graph_triton.layer(x, y, cos, sin, plan.lens[i], plan.offs[i], inputs, self.weights[i], buffers,
-                                          self.shapes[i])
-                continue
+        for i, layer in enumerate(cache.layers):
             later = later_all[i] if later_all is not None else None
-            x = self._layer(x, cos, sin, n_all[i], at_all[i], later, positions, self.weights[i], buffers,
-                            self.shapes[i])
-        return self.head(graph_triton.finish(x, y, self.final) if y is not None else _norm(self.final, x))[0]
+            x = self._layer(x, cos, sin, n_all[i], at_all[i], later, positions, self.weights[i],
+                            self._buffers(plan, i, layer), self.shapes[i])
+        return _norm(self.final, x)
+
+    def _in_triton(self, plan: _Plan, cache, x, cos, sin) -> torch.Tensor:
+        """The layers and the final norm in Triton's kernels (``graph_triton``: they read the step's inputs and the
+        heads' lengths and first rows themselves; the next layer's first kernel adds a layer's output)."""
+        y = None
+        for i, layer in enumerate(cache.layers):
+            x, y = graph_triton.layer(x, y, cos, sin, plan.lens[i], plan.offs[i], plan.inputs, self.weights[i],
+                                      self._buffers(plan, i, layer), self.shapes[i])
+        return graph_triton.add_norm(x, y, self.final)[1]
+
+    @staticmethod
+    def _buffers(plan: _Plan, i: int, layer) -> tuple:
+        """What a layer's step reads and writes of cache layer ``layer`` (the ``i``-th) and the plan."""
+        ring = plan.ring
+        gather = None if layer.uniform_caps else plan.gather[layer.index]  # [heads, largest capacity] rows
+        cap = layer.caps[0] if gather is None else gather.shape[1]
+        return (layer.keys, layer.values, layer.k0, layer.abs_pos, layer.computed, layer.rows,
+                tuple(layer.stats.values()), layer.stats.get("acc") if plan.accumulate else None,
+                ring.queries[i] if ring is not None else None, ring.positions[i] if ring is not None else None,
+                gather, plan.slots[cap])
 
 
 def _adjacent(weights: list[torch.Tensor]) -> bool:

@@ -53,9 +53,9 @@ def unsupported(weights: list, final, head_dim: int, device: torch.device) -> st
 def layer(x, y, cos, sin, lens, offs, inputs, weights, buffers, shape) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer of one token's step: what ``graph_layer.layer`` computes, from the residual ``x`` and the last
     layer's output ``y`` not yet added to it (None before the first layer); returns them for the next layer
-    (``finish`` adds the last). ``lens``, ``offs``: each head's length at the last upload and first row in the
-    layer's buffers; ``inputs``: the step's (``graph.INPUTS``: the positions, the window's row, the steps since the
-    upload), which the kernels read; the rest as ``graph_layer.layer`` takes them."""
+    (``add_norm`` adds the last before the final norm). ``lens``, ``offs``: each head's length at the last upload
+    and first row in the layer's buffers; ``inputs``: the step's (``graph.INPUTS``: the positions, the window's row,
+    the steps since the upload), which the kernels read; the rest as ``graph_layer.layer`` takes them."""
     nq, nk, d, heads, inner, scaling = shape
     norm1, qkv, o, norm2, gate_up, down, _ = weights
     keys, values, k0, abs_pos, computed, rows, stats, acc, ring_q, ring_pos, _, slots = buffers
@@ -68,11 +68,6 @@ def layer(x, y, cos, sin, lens, offs, inputs, weights, buffers, shape) -> tuple[
     out = attend(q, keys, values, offs, lens, inputs, acc, slots.shape[0], scaling, heads)
     x, h = add_norm(x, F.linear(out.view(1, 1, -1), *o), norm2)
     return x, F.linear(silu_mul(F.linear(h, *gate_up), inner), *down)
-
-
-def finish(x: torch.Tensor, y: torch.Tensor, final) -> torch.Tensor:
-    """The last layer's output added to the residual, through the final norm."""
-    return add_norm(x, y, final)[1]
 
 
 # -- the kernels' launches ----------------------------------------------------------------------------------------
