@@ -6,6 +6,7 @@ would keep 7 (Triton's interpreter multiplies 16-bit floats' bits as integers: f
 flag (``K0``, ``STAT``, ``RING``, ``ACC``, ``ADD``) says whether an optional buffer is there (the launch passes
 another tensor in its place where it is not)."""
 
+import triton
 import triton.language as tl
 
 KERNELS = ("add_norm", "silu_mul", "rotate_write", "attend_part", "attend_done")
@@ -71,6 +72,20 @@ def rotate_write(qkv, cos, sin, lens, offs, inputs, keys, values, k0, abs_pos, c
             tl.store(ring_pos + w, tl.load(inputs + 1).to(tl.float32))
 
 
+@triton.jit
+def _split(q, offs, lens, inputs, h, sp, chunk, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr,
+           DP: tl.constexpr):
+    """Head ``h``'s queries (fp32, [GP, DP]), its first row, and split ``sp``'s slots [lo, hi): up to the new token's
+    slot (the head's length at the upload plus the steps since)."""
+    g = tl.arange(0, GP)
+    j = tl.arange(0, DP)
+    qv = tl.load(q + (h * G + g)[:, None] * D + j[None, :], mask=(g < G)[:, None] & (j < D)[None, :],
+                 other=0.0).to(tl.float32)
+    last = (tl.load(lens + h) + tl.load(inputs + 4)).to(tl.int32)  # the bounds in one type
+    lo = sp * chunk
+    return qv, tl.load(offs + h), lo, tl.minimum(lo + chunk, last + 1)
+
+
 def attend_part(q, keys, values, offs, lens, inputs, part_m, part_l, part_o, chunk, scaling, G: tl.constexpr,
                 GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, B: tl.constexpr, SPLITS: tl.constexpr,
                 PREC: tl.constexpr):
@@ -82,12 +97,7 @@ def attend_part(q, keys, values, offs, lens, inputs, part_m, part_l, part_o, chu
     g = tl.arange(0, GP)
     j = tl.arange(0, DP)
     jin = j < D
-    qv = tl.load(q + (h * G + g)[:, None] * D + j[None, :], mask=(g < G)[:, None] & jin[None, :],
-                 other=0.0).to(tl.float32)
-    last = (tl.load(lens + h) + tl.load(inputs + 4)).to(tl.int32)  # the new slot; the bounds in one type
-    first = tl.load(offs + h)
-    lo = sp * chunk
-    hi = tl.minimum(lo + chunk, last + 1)
+    qv, first, lo, hi = _split(q, offs, lens, inputs, h, sp, chunk, G, GP, D, DP)
     m = tl.full([GP], float("-inf"), tl.float32)
     total = tl.zeros([GP], tl.float32)
     acc = tl.zeros([GP, DP], tl.float32)
@@ -135,12 +145,7 @@ def attend_done(q, keys, offs, lens, inputs, part_m, part_l, part_o, acc, out, c
         top = tl.max(ms, axis=0)
         total = tl.sum(tl.load(part_l + (h * SPLITS + every)[:, None] * GP + g[None, :]) * tl.exp(ms - top[None, :]),
                        axis=0)
-        qv = tl.load(q + (h * G + g)[:, None] * D + j[None, :], mask=(g < G)[:, None] & jin[None, :],
-                     other=0.0).to(tl.float32)
-        last = (tl.load(lens + h) + tl.load(inputs + 4)).to(tl.int32)  # the new slot; the bounds in one type
-        first = tl.load(offs + h)
-        lo = sp * chunk
-        hi = tl.minimum(lo + chunk, last + 1)
+        qv, first, lo, hi = _split(q, offs, lens, inputs, h, sp, chunk, G, GP, D, DP)
         for start in range(lo, hi, B):
             slot = start + tl.arange(0, B)
             valid = slot < hi
