@@ -7,8 +7,8 @@ Before a forward would take the cache past budget + slack, ``make_room`` compres
 2. the policy may split the budget over layers and heads (``allocate``), then ``score``s each layer's slots;
 3. protected slots (sink, system prompt, recent window) are always kept; ``select_keep`` turns the scores into
    whole groups to keep;
-4. each layer gathers the kept slots; in ``rerotate`` mode each kept key is its computed key rotated once to its
-   new slot (``KVLayer.keep``);
+4. the kept slots move to the front of their heads' regions, all layers of a slab at once (``slab.move``); in
+   ``rerotate`` mode each kept key is its computed key rotated once to its new slot;
 5. an eviction event is recorded.
 
 Recall (core/recall) asks a compression to ``drop`` the positions it will read again and to leave ``room`` for
@@ -26,7 +26,8 @@ import torch
 
 from ...policies import LayerView
 from ...storage.db import now_iso
-from .groups import select_keep
+from . import slab
+from .groups import select_keep_padded
 
 MAX_CHUNK = 512  # longest prefill forward
 
@@ -65,7 +66,7 @@ def make_room(session, m: int) -> int:
 @dataclass(eq=False)
 class Plan:
     """One layer's part of a compression: how many slots each head keeps (``counts``), its capacities, and the
-    slots kept (``index``, per head, ascending)."""
+    slots kept (``index``: [heads, most kept], head h's ``kept[h]`` first ones, ascending)."""
 
     layer: object
     view: LayerView
@@ -73,7 +74,8 @@ class Plan:
     caps: list[int] | None = None
     scores: torch.Tensor | None = None
     same_as: "Plan | None" = None
-    index: list[torch.Tensor] | None = None
+    index: torch.Tensor | None = None
+    kept: list[int] | None = None
 
 
 def select(session, plans: list[Plan]) -> None:
@@ -90,10 +92,10 @@ def select(session, plans: list[Plan]) -> None:
         safe = protected(session, positions, lens, min(batch[0].counts))
         scores = torch.cat([p.scores.expand(h, -1) for p, h in zip(batch, heads)])
         groups = None if batch[0].view.groups is None else torch.cat([p.view.groups for p in batch])
-        index = select_keep(scores, [c for p in batch for c in p.counts], safe, groups, session.settings.aggregate,
-                            torch.cat([p.view.valid for p in batch]))
+        index, kept = select_keep_padded(scores, [c for p in batch for c in p.counts], safe, groups,
+                                         session.settings.aggregate, torch.cat([p.view.valid for p in batch]))
         for p, rows in zip(batch, torch.tensor(heads).cumsum(0).tolist()):
-            p.index = index[rows - p.layer.heads: rows]
+            p.index, p.kept = index[rows - p.layer.heads: rows], kept[rows - p.layer.heads: rows]
 
 
 def compress(session, keep: int, reason: str, drop: torch.Tensor | None = None, room: int = 0) -> None:
@@ -107,7 +109,8 @@ def compress(session, keep: int, reason: str, drop: torch.Tensor | None = None, 
     before = cache.mean_length
     session.evictions.peak = max(session.evictions.peak, before)  # the cache is fullest right before a compression
     layers = [(li, layer) for li, layer in enumerate(cache.layers) if layer.is_initialized]
-    views = [layer_view(session, li, layer) for li, layer in layers]
+    valid: dict[tuple, torch.Tensor] = {}  # layers whose heads hold equally many share one (read-only) mask
+    views = [layer_view(session, li, layer, valid) for li, layer in layers]
     if drop is not None and drop.numel():
         for view in views:
             view.valid = view.valid & ~torch.isin(view.positions, drop.to(view.positions.device))
@@ -116,16 +119,15 @@ def compress(session, keep: int, reason: str, drop: torch.Tensor | None = None, 
     # In rerotate mode the next position is the largest kept count: keep it inside the trained positions.
     ceiling = session.model.max_positions - s.slack_tokens - room if s.positions == "rerotate" else None
     plans, reference = [], None
-    for (li, layer), view in zip(layers, views):
+    alike = like_first(views) if policy.layer_independent and alloc is None else [False] * len(views)
+    for (li, layer), view, same in zip(layers, views, alike):
         plan = Plan(layer, view, alloc[len(plans)] if alloc is not None else [keep] * layer.heads)
         if ceiling is not None:
             plan.counts = [min(c, ceiling) for c in plan.counts]
         plan.counts = [max(c - room, 0) for c in plan.counts]
         plan.caps = [c + room + s.slack_tokens for c in plan.counts] if alloc is not None \
             else [max(s.capacity, c + room + s.slack_tokens) for c in plan.counts]
-        if policy.layer_independent and alloc is None and reference is not None \
-                and torch.equal(reference.view.positions, view.positions) and torch.equal(reference.view.valid,
-                                                                                           view.valid):
+        if same and reference is not None:
             plan.same_as = reference  # a position-only policy: the same choice as the layer with the same positions
         else:
             plan.scores = policy.score(view)
@@ -135,17 +137,17 @@ def compress(session, keep: int, reason: str, drop: torch.Tensor | None = None, 
     select(session, [p for p in plans if p.same_as is None])
     for plan in plans:
         if plan.same_as is not None:
-            plan.index = plan.same_as.index
+            plan.index, plan.kept = plan.same_as.index, plan.same_as.kept
     first = plans[0].view
     held = first.positions[0][first.valid[0]]
     g = held if first.groups is None else first.groups[0][first.valid[0]]
-    kept_groups = first.positions[0][plans[0].index[0].to(first.positions.device)] if first.groups is None else \
-        first.groups[0][plans[0].index[0].to(first.groups.device)]
+    chosen = plans[0].index[0, :plans[0].kept[0]].to(first.positions.device)
+    kept_groups = first.positions[0][chosen] if first.groups is None else first.groups[0][chosen]
     evicted_groups = torch.unique(g).numel() - torch.unique(kept_groups).numel()
-    next_pos = max(int(i.numel()) for p in plans for i in p.index)
+    next_pos = max(k for p in plans for k in p.kept)
     rotary = session.model.rotary if s.positions == "rerotate" else None
-    for p in plans:
-        p.layer.keep(p.index, rotary, next_pos, p.caps)
+    slab.move([p.layer for p in plans], [p.index for p in plans], [p.kept for p in plans], rotary, next_pos,
+              [p.caps for p in plans], stack=True)
     after = cache.mean_length
     session.evictions.record({"turn": session.turn, "reason": reason, "before": before, "after": after,
                               "evicted_tokens": before - after, "evicted_groups": evicted_groups,
@@ -158,21 +160,28 @@ def reorder(session, brought: torch.Tensor) -> None:
     """Every head's slots back in conversation order after recall read the positions ``brought`` again at the end
     of the cache: each key rotated once from where it was computed to its slot (``rerotate``) or to its absolute
     position (``original``); the brought slots start each statistic at the median of the head's other slots (the
-    lower middle one; 0 for a head that has none)."""
+    lower middle one; 0 for a head that has none). Every head of every layer at once: no host sync per head."""
     rotary = session.model.rotary
     original = session.settings.positions == "original"
     layers = [layer for layer in session.cache.layers if layer.is_initialized]
     next_pos = max(layer.length for layer in layers)
+    orders = []
     for layer in layers:
+        positions, valid = layer.positions(), layer.valid()
+        mine = torch.isin(positions, brought.to(layer.device)) & valid
+        others = valid & ~mine
+        count = others.sum(1, keepdim=True)
         for name, t in layer.stats.items():
-            for h in range(layer.heads):
-                slots = layer.head_view(t, h)
-                mine = torch.isin(layer.head_view(layer.abs_pos, h), brought.to(layer.device))
-                others = slots[~mine]
-                slots[mine] = others.median() if others.numel() else 0.0
-        order = [torch.argsort(layer.head_view(layer.abs_pos, h), stable=True) for h in range(layer.heads)]
-        layer.keep(order, None if original else rotary, None if original else next_pos)
-        if original and rotary is not None:
+            stat = layer.padded(t)
+            ranked = stat.masked_fill(~others, float("inf")).sort(dim=1).values
+            median = ranked.gather(1, ((count - 1) // 2).clamp(min=0)).masked_fill(count == 0, 0.0)
+            layer.set_padded(t, torch.where(mine, median.to(stat.dtype), stat))
+        big = torch.iinfo(positions.dtype).max  # slots past a head's length after every held one
+        orders.append(torch.argsort(positions.masked_fill(~valid, big), dim=1, stable=True))
+    slab.move(layers, orders, [list(layer.lens) for layer in layers], None if original else rotary,
+              None if original else next_pos)
+    if original and rotary is not None:
+        for layer in layers:
             layer.shift_positions(rotary, to_original=True)
 
 
@@ -209,12 +218,31 @@ def group_ids(session, positions: torch.Tensor) -> torch.Tensor | None:
     return ids.masked_fill(positions < 0, -1)
 
 
-def layer_view(session, li: int, layer) -> LayerView:
-    """What the policy may look at in layer ``li``: positions, keys, groups and the statistics it observes."""
+def like_first(views: list[LayerView]) -> list[bool]:
+    """Whether each layer holds the first layer's positions in the same slots: one comparison (and one host sync)
+    for every layer of the first's shape."""
+    first = views[0]
+    alike = [i for i, v in enumerate(views) if v.positions.shape == first.positions.shape]
+    same = ((torch.stack([views[i].positions for i in alike]) == first.positions) &
+            (torch.stack([views[i].valid for i in alike]) == first.valid)).flatten(1).all(1).tolist()
+    out = [False] * len(views)
+    for i, s in zip(alike, same):
+        out[i] = s
+    return out
+
+
+def layer_view(session, li: int, layer, valid: dict | None = None) -> LayerView:
+    """What the policy may look at in layer ``li``: positions, keys, groups and the statistics it observes.
+    ``valid``: the masks of heads' held slots made so far, by the heads' lengths (one per compression)."""
     policy, observer = session.policy, session.observer
     rerotate = session.settings.positions == "rerotate"
     positions = layer.positions()
-    view = LayerView(li, positions, layer.valid(), layer.keys_dense(), groups=group_ids(session, positions),
+    if valid is None:
+        mask = layer.valid()
+    else:
+        key = (tuple(layer.lens), layer.device)
+        mask = valid[key] if key in valid else valid.setdefault(key, layer.valid())
+    view = LayerView(li, positions, mask, layer.keys_dense(), groups=group_ids(session, positions),
                      fed=session.log.n)
     if "acc" in policy.observes and "acc" in layer.stats:
         view.acc = layer.padded(layer.stats["acc"])

@@ -62,6 +62,14 @@ def select_keep(
     where heads of different lengths are padded. Exactly ``keep`` slots per head are returned (fewer only if a
     head holds fewer), protected ones first.
     """
+    index, counts = select_keep_padded(scores, keep, protected, groups, aggregate, valid)
+    return [index[h, :c] for h, c in enumerate(counts)]
+
+
+def select_keep_padded(scores, keep, protected, groups=None, aggregate="mean", valid=None) \
+        -> tuple[torch.Tensor, list[int]]:
+    """``select_keep`` as one tensor: [heads, most kept], head h's slots ascending in its first ``counts[h]``
+    columns (the rest padding), and the counts."""
     heads, n = scores.shape
     if valid is None:
         valid = torch.ones(heads, n, dtype=torch.bool, device=scores.device)
@@ -72,13 +80,18 @@ def select_keep(
     if groups is None:
         key = scores.masked_fill(protected, float("inf"))
         if len(set(counts)) == 1 and bool(valid.all()):
-            return list(torch.topk(key, counts[0], dim=-1).indices.sort(dim=-1).values)
+            return torch.topk(key, counts[0], dim=-1).indices.sort(dim=-1).values, counts
         order = torch.argsort(key, dim=-1, descending=True, stable=True)
     else:
         order = _group_order(scores, protected, groups.masked_fill(~valid, -1), aggregate)
     order = torch.gather(order, 1, torch.argsort(torch.gather(valid.to(torch.int8), 1, order), dim=-1,
                                                  descending=True, stable=True))
-    return [order[h, : counts[h]].sort().values for h in range(heads)]
+    width = max(counts, default=0)
+    if len(set(counts)) == 1:
+        return order[:, :width].sort(dim=-1).values, counts
+    # each head's first counts[h] slots, ascending, then n (past every slot) as padding: one sort for all heads
+    past = torch.arange(width, device=order.device)[None, :] >= torch.tensor(counts, device=order.device)[:, None]
+    return order[:, :width].masked_fill(past, n).sort(dim=-1).values, counts
 
 
 def _group_order(scores, protected, groups, aggregate) -> torch.Tensor:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache
 
+from . import slab
 from .layer import KVLayer, RaggedKV  # noqa: F401  (RaggedKV re-exported: what ragged heads hand attention)
 
 
@@ -68,11 +69,13 @@ class KVCache(Cache):
     def set_capacity(self, capacity: int | None) -> None:
         """Fix (or free, with None) the number of slots per head; the layers are reallocated to it now."""
         self.capacity = capacity
-        for layer in self.layers:
-            if layer.is_initialized:
-                # A head holding more than the new capacity (a larger per-layer or per-head budget before) keeps
-                # its slots; the next step then has no room and compresses it to the new budget.
-                layer.resize([max(capacity, n) if capacity is not None else max(n, 256) for n in layer.lens])
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        # A head holding more than the new capacity (a larger per-layer or per-head budget before) keeps its slots;
+        # the next step then has no room and compresses it to the new budget.
+        caps = [[max(capacity, n) if capacity is not None else max(n, 256) for n in layer.lens] for layer in layers]
+        if any(c != layer.caps for c, layer in zip(caps, layers)):
+            slab.move(layers, [layer.held_slots() for layer in layers], [layer.lens for layer in layers], caps=caps,
+                      stack=True)
 
     @property
     def length(self) -> int:

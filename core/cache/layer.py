@@ -18,9 +18,11 @@ slots to keep to the front of each region. The interface transformers calls is `
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from . import slab as slabs
 from .positions import Rotary
 
 #: The per-slot tensors besides the statistics, with their dtypes (None: the model's).
@@ -52,7 +54,8 @@ class KVLayer(CacheLayerMixin):
         self.pos_off: list[int] = []  # rerotate mode: slot i of head h sits at position pos_off[h] + i
         self.stats: dict[str, torch.Tensor] = {}  # per-slot statistics, one float per slot (e.g. "acc")
         self.abs_pos = self.computed = self.rows = self.k0 = None
-        self.version = 0  # counts new buffers (``_allocate``, a new statistic): a graph captured over them is stale
+        self.version = 0  # counts new buffers (``adopt``, a new statistic): a graph captured over them is stale
+        self.slab = None  # the slab (core/cache/slab.py) the per-slot tensors are views of, if any
 
     # -- transformers' layer interface ------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -195,35 +198,42 @@ class KVLayer(CacheLayerMixin):
         return out
 
     def _allocate(self, caps: list[int]) -> None:
-        self.version += 1
-        kdim, vdim = self._dims
         total = sum(caps)
-        self.caps = list(caps)
-        self.offs = [sum(caps[:h]) for h in range(len(caps))]
-        # Zeros, not uninitialised memory: the compiled decode step (core/decode) attends over every slot with the
-        # unused ones masked, and a masked probability times a NaN left in an unused value slot would still be NaN.
-        self.keys = torch.zeros(total, kdim, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros(total, vdim, dtype=self.dtype, device=self.device)
-        self.k0 = torch.zeros(total, kdim, dtype=self.dtype, device=self.device) if self._owner.keeps_computed \
-            else None
-        self.abs_pos = torch.zeros(total, dtype=torch.int32, device=self.device)
-        self.computed = torch.zeros(total, dtype=torch.int32, device=self.device)
-        self.rows = torch.full((total,), -1, dtype=torch.int64, device=self.device)
-        self.stats = {name: torch.zeros(total, dtype=t.dtype, device=self.device) for name, t in self.stats.items()}
+
+        def zeros(*row, dtype=self.dtype):
+            # Zeros, not uninitialised memory: the compiled decode step (core/decode) attends over every slot with the
+            # unused ones masked, and a masked probability times a NaN left in an unused value slot would still be NaN.
+            return torch.zeros(total, *row, dtype=dtype, device=self.device)
+
+        kdim, vdim = self._dims
+        buffers = {"keys": zeros(kdim), "values": zeros(vdim), "abs_pos": zeros(dtype=torch.int32),
+                   "computed": zeros(dtype=torch.int32),
+                   "rows": torch.full((total,), -1, dtype=torch.int64, device=self.device)}
+        if self._owner.keeps_computed:
+            buffers["k0"] = zeros(kdim)
+        buffers.update({f"stat.{name}": zeros(dtype=t.dtype) for name, t in self.stats.items()})
+        self.adopt(caps, buffers)
+
+    def adopt(self, caps: list[int], buffers: dict[str, torch.Tensor], slab=None) -> None:
+        """Hold the per-slot tensors ``buffers`` (named as ``per_slot`` names them) of ``caps`` slots per head, views of
+        ``slab``'s if given: new buffers, so a graph captured over the old ones is stale."""
+        self.version += 1
+        self.caps, self.offs = list(caps), [sum(caps[:h]) for h in range(len(caps))]
+        for name in SLOT_TENSORS:
+            setattr(self, name, buffers.get(name))
+        self.stats = {name[5:]: t for name, t in buffers.items() if name.startswith("stat.")}
+        self.slab = slab
 
     def resize(self, caps: list[int]) -> None:
         """Reallocate to exactly ``caps`` slots per head, keeping the current contents."""
         if any(c < n for c, n in zip(caps, self.lens)):
             raise ValueError(f"cannot shrink heads holding {self.lens} tokens to {caps} slots")
-        if list(caps) == self.caps:
-            return
-        old, offs = self.per_slot(), list(self.offs)
-        self._allocate(caps)
-        new = self.per_slot()
-        for h, n in enumerate(self.lens):
-            src, dst = slice(offs[h], offs[h] + n), slice(self.offs[h], self.offs[h] + n)
-            for name, t in old.items():
-                new[name][dst] = t[src]
+        if list(caps) != self.caps:
+            slabs.move([self], [self.held_slots()], [self.lens], caps=[caps])
+
+    def held_slots(self) -> torch.Tensor:
+        """[heads, the longest head's length]: each head's slots in order (a ``keep`` of everything held)."""
+        return torch.arange(self.length, device=self.device)[None, :].expand(self.heads, -1)
 
     def ensure_stat(self, name: str) -> torch.Tensor:
         """A per-slot float statistic (zeros for slots that held nothing yet)."""
@@ -251,6 +261,19 @@ class KVLayer(CacheLayerMixin):
         for h in range(self.heads):
             out[h, : self.lens[h]] = self.head_view(t, h)
         return out
+
+    def set_padded(self, t: torch.Tensor, padded: torch.Tensor) -> None:
+        """Write ``padded`` ([heads, max_len, ...], as ``padded`` gives a per-slot tensor) back into ``t``: each head's
+        held slots, one copy for all heads."""
+        if self.uniform:
+            t.view(self.heads, self.caps[0], *t.shape[1:])[:, : self.lens[0]].copy_(padded)
+            return
+        lens = np.asarray(self.lens)
+        heads = np.repeat(np.arange(self.heads), lens)
+        j = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)  # each slot's place in its head
+        at = torch.from_numpy(np.stack([heads * padded.shape[1] + j, np.asarray(self.offs)[heads] + j]))
+        at = at.to(t.device)
+        t.index_copy_(0, at[1], padded.reshape(-1, *t.shape[1:]).index_select(0, at[0]))
 
     def valid(self) -> torch.Tensor:
         """[heads, max_len] True where a head holds a position."""
@@ -297,49 +320,8 @@ class KVLayer(CacheLayerMixin):
         With ``rotary`` each kept key is the computed one rotated once to its new position: head h's kept slots end
         right before ``next_pos`` (the position the next token will get in every layer).
         """
-        caps = caps or self.caps
-        kept = [int(i.numel()) for i in index]
-        if self.uniform and len(set(kept)) == 1 and len(set(caps)) == 1 and caps == self.caps:
-            self._keep_uniform(torch.stack(list(index)).to(self.device), rotary, next_pos)
-            return
-        gathered = []
-        for h, idx in enumerate(index):
-            src = idx.to(self.device) + self.offs[h]
-            taken = {name: t[src] for name, t in self.per_slot().items()}
-            if rotary is not None:
-                new_pos = next_pos - kept[h] + torch.arange(kept[h], device=self.device)
-                taken["keys"] = self._rotated(taken, new_pos, rotary)
-            gathered.append(taken)
-        if caps != self.caps:
-            self.lens = [0] * self.heads
-            self._allocate(caps)
-        slots = self.per_slot()
-        for h, taken in enumerate(gathered):
-            dst = slice(self.offs[h], self.offs[h] + kept[h])
-            for name, t in taken.items():
-                slots[name][dst] = t
-        self.lens = kept
-        if next_pos is not None:
-            self.pos_off = [next_pos - k for k in kept]
-
-    def _keep_uniform(self, index: torch.Tensor, rotary: Rotary | None, next_pos: int | None) -> None:
-        """``keep`` for heads of equal capacity keeping equally many slots: one batched gather per tensor."""
-        heads, k = index.shape
-        cap = self.caps[0]
-        taken = {}
-        for name, t in self.per_slot().items():
-            view = t.view(heads, cap, -1) if t.dim() == 2 else t.view(heads, cap)
-            at = index[:, :, None].expand(-1, -1, view.shape[-1]) if t.dim() == 2 else index
-            taken[name] = (view, torch.gather(view, 1, at))
-        if rotary is not None:
-            new_pos = next_pos - k + torch.arange(k, device=self.device)[None, :].expand(heads, -1)
-            view, _ = taken["keys"]
-            taken["keys"] = (view, self._rotated({name: t for name, (_, t) in taken.items()}, new_pos, rotary))
-        for view, t in taken.values():
-            view[:, :k] = t
-        self.lens = [k] * heads
-        if next_pos is not None:
-            self.pos_off = [next_pos - k] * heads
+        padded = torch.nn.utils.rnn.pad_sequence([i.to(self.device) for i in index], batch_first=True)
+        slabs.move([self], [padded], [[int(i.numel()) for i in index]], rotary, next_pos, [caps or self.caps])
 
     def _rotated(self, taken: dict[str, torch.Tensor], target: torch.Tensor, rotary: Rotary) -> torch.Tensor:
         """The keys of slots ``taken`` (their per-slot tensors, gathered) at positions ``target``: each computed key
