@@ -241,7 +241,9 @@ def layer_view(session, li: int, layer, valid: dict | None = None) -> LayerView:
         mask = layer.valid()
     else:
         key = (tuple(layer.lens), layer.device)
-        mask = valid[key] if key in valid else valid.setdefault(key, layer.valid())
+        if key not in valid:
+            valid[key] = layer.valid()
+        mask = valid[key]
     view = LayerView(li, positions, mask, layer.keys_dense(), groups=group_ids(session, positions),
                      fed=session.log.n)
     if "acc" in policy.observes and "acc" in layer.stats:

@@ -80,15 +80,20 @@ def move(layers, index: list[torch.Tensor], kept: list[list[int]], rotary=None, 
     # per tensor: runs of consecutive layers read from one tensor and written to one, each run's slots moved at once;
     # tensors whose runs have the same layers and rows share the runs' indices
     groups: dict[tuple, list] = {}
-    for name in layers[0].per_slot():
+    slots = [layer.per_slot() for layer in layers]
+    for name in dict.fromkeys(name for held in slots for name in held):
         runs: list[tuple] = []
         for li, layer in enumerate(layers):
-            src, s0 = _where(layer, name)
+            if name not in slots[li]:  # a statistic this layer does not keep
+                runs.append((None, None, []))
+                continue
+            src, s0 = _where(layer, name, slots[li][name])
             dst, d0 = (targets[li][0].bases[name], targets[li][0].starts[targets[li][1]]) if fresh else (src, s0)
             if runs and runs[-1][0] is src and runs[-1][1] is dst:
                 runs[-1][2].append((li, s0, d0))
             else:
                 runs.append((src, dst, [(li, s0, d0)]))
+        runs = [run for run in runs if run[2]]
         for src, dst, members in runs:
             groups.setdefault(tuple(members), []).append((name, src, dst))
     for members, moves in groups.items():
@@ -125,10 +130,9 @@ def _indices(layers, members, flat, width, kept, caps, first_row, next_pos):
     return flat.view(-1).index_select(0, host[0]) + host[1], host[2], host[3]
 
 
-def _where(layer, name: str) -> tuple[torch.Tensor, int]:
-    """The tensor a layer's per-slot tensor ``name`` is a view of (its slab's, else its own) and its first row
-    there."""
-    t = layer.per_slot()[name]
+def _where(layer, name: str, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The tensor a layer's per-slot tensor ``t`` (named ``name``) is a view of (its slab's, else itself) and its first
+    row there."""
     slab = layer.slab
     if slab is not None and name in slab.bases:
         base = slab.bases[name]
@@ -141,8 +145,8 @@ def _in_slabs(layers) -> bool:
     """Whether every per-slot tensor of ``layers`` is a view of its layer's slab, and the slabs hold nothing else."""
     slabs = {}
     for layer in layers:
-        for name in layer.per_slot():
-            base, _ = _where(layer, name)
+        for name, t in layer.per_slot().items():
+            base, _ = _where(layer, name, t)
             if layer.slab is None or base is not layer.slab.bases.get(name):
                 return False
         slabs[id(layer.slab)] = layer.slab
@@ -154,4 +158,4 @@ def _pad(index: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _row_bytes(dtype: torch.dtype, shape: tuple) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
