@@ -291,3 +291,25 @@ def test_observer_window_holds_the_latest_queries_exactly(held, tiny, tokenizer,
     session.observer.restore(mark)
     after = session.observer.state_tensors()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_window_attention_of_every_layer_at_once_is_each_layers(ragged, tiny):
+    """A compression reads the window's attention of every layer in one batched product where the layers are alike
+    (``Observer.window_attentions``): the same probabilities as each layer's own, its queries rotated to the cache as
+    it is now, after compressions and decode steps; a layer whose heads hold different numbers (``ragged``) is read
+    by itself beside the others."""
+    session = Session(tiny("llama"), Settings(policy="snapkv", budget=40, window=8, slack=8, recall="off",
+                                              params={"obs_window": 6}), sampling=GREEDY)
+    for message in CHAT:
+        session.chat(message)
+    assert session.evicted_total > 0
+    last = session.cache.layers[-1]
+    if ragged:
+        last.keep([torch.arange(1, last.lens[0])] + [torch.arange(n) for n in last.lens[1:]])
+    assert last.uniform != ragged
+    layers = list(range(len(session.cache.layers)))
+    rotary, at = session.model.rotary, session.cache.length
+    together = session.observer.window_attentions(layers, rotary, at)
+    for li, got in zip(layers, together):
+        torch.testing.assert_close(got, session.observer.window_attention(li, rotary, at), rtol=0, atol=1e-6)

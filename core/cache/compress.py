@@ -83,13 +83,13 @@ def select(session, plans: list[Plan]) -> None:
     (their heads stacked as rows)."""
     batches: dict[tuple, list[Plan]] = {}
     for p in plans:
-        key = (tuple(p.view.positions.shape[1:]), min(p.counts), p.view.groups is None, p.scores.dim() == 1)
+        key = (tuple(p.view.positions.shape[1:]), p.view.groups is None, p.scores.dim() == 1)
         batches.setdefault(key, []).append(p)
     for batch in batches.values():
         heads = [p.layer.heads for p in batch]
         positions = torch.cat([p.view.positions for p in batch])
         lens = [n for p in batch for n in p.layer.lens]
-        safe = protected(session, positions, lens, min(batch[0].counts))
+        safe = protected(session, positions, lens, [min(p.counts) for p in batch for _ in range(p.layer.heads)])
         scores = torch.cat([p.scores.expand(h, -1) for p, h in zip(batch, heads)])
         groups = None if batch[0].view.groups is None else torch.cat([p.view.groups for p in batch])
         index, kept = select_keep_padded(scores, [c for p in batch for c in p.counts], safe, groups,
@@ -110,7 +110,12 @@ def compress(session, keep: int, reason: str, drop: torch.Tensor | None = None, 
     session.evictions.peak = max(session.evictions.peak, before)  # the cache is fullest right before a compression
     layers = [(li, layer) for li, layer in enumerate(cache.layers) if layer.is_initialized]
     valid: dict[tuple, torch.Tensor] = {}  # layers whose heads hold equally many share one (read-only) mask
-    views = [layer_view(session, li, layer, valid) for li, layer in layers]
+    windows = [None] * len(layers)
+    if "window" in policy.observes and session.observer is not None:
+        rerotate = s.positions == "rerotate"
+        windows = session.observer.window_attentions([li for li, _ in layers], session.model.rotary if rerotate
+                                                     else None, cache.length if rerotate else None)
+    views = [layer_view(session, li, layer, valid, w) for (li, layer), w in zip(layers, windows)]
     if drop is not None and drop.numel():
         for view in views:
             view.valid = view.valid & ~torch.isin(view.positions, drop.to(view.positions.device))
@@ -185,23 +190,24 @@ def reorder(session, brought: torch.Tensor) -> None:
             layer.shift_positions(rotary, to_original=True)
 
 
-def protected(session, positions: torch.Tensor, lens: list[int], keep: int) -> torch.Tensor:
+def protected(session, positions: torch.Tensor, lens: list[int], keep: int | list[int]) -> torch.Tensor:
     """[heads, n] True for the slots no policy may evict: the recent window, and (for policies that protect the
-    start) the sink and the system prompt, while the system prompt fits beside the window."""
+    start) the sink and the system prompt, while the system prompt fits beside the window. ``keep``: what each head
+    (row) keeps, or every head."""
     s = session.settings
-    window = min(s.window_tokens, keep)
+    keep = [keep] * len(lens) if isinstance(keep, int) else keep
+    window = [min(s.window_tokens, k) for k in keep]
     slots = torch.arange(positions.shape[1], device=positions.device)[None, :]
-    lens_t = torch.tensor(lens, device=positions.device)[:, None]
-    safe = (slots >= lens_t - window) & (slots < lens_t)
+    rows = torch.tensor([lens, [n - w for n, w in zip(lens, window)]], device=positions.device)[:, :, None]
+    safe = (slots >= rows[1]) & (slots < rows[0])
     if session.policy.protect_start:
-        start, system = s.sink, session.system_tokens
-        if system > start:
-            if system + window <= keep:
-                start = system
-            else:
-                session.warn("system", f"the system prompt ({system} tokens) does not fit the budget beside the "
-                                       "window; it is no longer protected from eviction")
-        safe |= (positions < start) & (positions >= 0)
+        sink, system = s.sink, session.system_tokens
+        start = [system if system > sink and system + w <= k else sink for w, k in zip(window, keep)]
+        if system > sink and min(start) < system:
+            session.warn("system", f"the system prompt ({system} tokens) does not fit the budget beside the "
+                                   "window; it is no longer protected from eviction")
+        first = torch.tensor(start, device=positions.device)[:, None] if len(set(start)) > 1 else start[0]
+        safe |= (positions < first) & (positions >= 0)
     guard = session.recall_guard  # just recalled: kept while the message is read again, and through one compression
     if guard.numel():
         safe |= torch.isin(positions, guard.to(positions.device))
@@ -231,24 +237,18 @@ def like_first(views: list[LayerView]) -> list[bool]:
     return out
 
 
-def layer_view(session, li: int, layer, valid: dict | None = None) -> LayerView:
-    """What the policy may look at in layer ``li``: positions, keys, groups and the statistics it observes.
-    ``valid``: the masks of heads' held slots made so far, by the heads' lengths (one per compression)."""
-    policy, observer = session.policy, session.observer
-    rerotate = session.settings.positions == "rerotate"
+def layer_view(session, li: int, layer, valid: dict, window: torch.Tensor | None) -> LayerView:
+    """What the policy may look at in layer ``li``: positions, keys, groups and the statistics it observes (the
+    window's attention, ``window``, computed for every layer at once). ``valid``: the masks of heads' held slots made
+    so far, by the heads' lengths (one per compression)."""
     positions = layer.positions()
-    if valid is None:
-        mask = layer.valid()
-    else:
-        key = (tuple(layer.lens), layer.device)
-        if key not in valid:
-            valid[key] = layer.valid()
-        mask = valid[key]
+    key = (tuple(layer.lens), layer.device)
+    if key not in valid:
+        valid[key] = layer.valid()
+    mask = valid[key]
     view = LayerView(li, positions, mask, layer.keys_dense(), groups=group_ids(session, positions),
                      fed=session.log.n)
-    if "acc" in policy.observes and "acc" in layer.stats:
+    if "acc" in session.policy.observes and "acc" in layer.stats:
         view.acc = layer.padded(layer.stats["acc"])
-    if "window" in policy.observes and observer is not None:
-        view.window = observer.window_attention(li, session.model.rotary if rerotate else None,
-                                                session.cache.length if rerotate else None)
+    view.window = window
     return view

@@ -227,6 +227,30 @@ class Observer:
         return out
 
 
+    def window_attentions(self, layers: list[int], rotary: Rotary | None, next_pos: int | None) -> list:
+        """``window_attention`` of each of ``layers``: layers alike (heads of one length, as many queries remembered,
+        the same shapes and scaling) in one batched product, the rest one by one."""
+        for li in layers:
+            self._flush(li)
+        out, alike = {}, {}
+        for li in layers:
+            layer, count = self.cache.layers[li], self._count.get(li, 0)
+            if count and layer.uniform:
+                key = (count, layer.lens[0], layer.heads, self._queries[li].shape, self._scaling[li], layer.device)
+                alike.setdefault(key, []).append(li)
+        for (count, n, heads, _, scaling, _), group in alike.items():
+            queries = torch.stack([self._queries[li][-count:] for li in group]).transpose(1, 2)  # [L, qh, rows, d]
+            if rotary is not None and next_pos is not None:
+                target = torch.arange(next_pos - count, next_pos, device=queries.device, dtype=torch.float32)
+                delta = target - torch.stack([self._qpos[li][-count:] for li in group])
+                queries = rotary.rotate(queries, delta[:, None, :])
+            keys = torch.stack([self.cache.layers[li].held_keys()[0] for li in group]).float()  # [L, heads, n, d]
+            qf = queries.reshape(len(group) * heads, -1, count, queries.shape[-1])
+            probs = _probs(qf, keys.flatten(0, 1), scaling).view(len(group), heads, count, n)
+            out.update(zip(group, probs))
+        return [out[li] if li in out else self.window_attention(li, rotary, next_pos) for li in layers]
+
+
 def _probs(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
     """Softmax attention of queries q [heads, groups, rows, dim] over keys k [heads, n, dim], the rows being the
     last of the n positions; averaged over the groups: [heads, rows, n]."""
