@@ -3,12 +3,37 @@
 from __future__ import annotations
 
 import shlex
+import signal
 import sys
+import threading
 import time
 
 from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS
+from ..core.engine.turns import TurnResult
 from ..policies import POLICIES
 from .args import CLIError, db_path, parse_setting, prepare
+
+
+def stream(session, gen) -> TurnResult:
+    """Print a reply as it streams and return its turn. Ctrl-C stops it between two tokens (``session.cancel``), so
+    the partial reply is kept and its turn closed and saved: a KeyboardInterrupt raised inside a model step would
+    leave the step half done and the turn open. A second Ctrl-C interrupts at once (the turn in progress is lost, as
+    in a crash; every turn before it is saved)."""
+    previous = None
+
+    def stop(signum, frame):
+        session.cancel()
+        signal.signal(signal.SIGINT, previous)
+
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGINT, stop)
+    try:
+        for delta in gen:
+            print(delta, end="", flush=True)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+    return session.history[-1]
 
 
 def _chat_help() -> str:
@@ -118,12 +143,13 @@ def cmd_chat(args) -> int:
             print("bot> ", end="", flush=True)
             t = time.perf_counter()
             try:
-                for delta in gen:
-                    print(delta, end="", flush=True)
+                res = stream(session, gen)
             except KeyboardInterrupt:
-                gen.close()
+                print("\nkvchat: interrupted; the reply in progress is not saved (every turn before it is)",
+                      file=sys.stderr)
+                raise
+            if res.stopped == "cancelled":
                 print(" [stopped]", end="")
-            res = session.history[-1]
             print(f"\n  [{res.new_tokens} tokens, {time.perf_counter() - t:.1f} s, cache {res.cache_tokens} "
                   f"tokens / {res.cache_bytes / 2**20:.1f} MiB, evicted {res.evicted_tokens}"
                   + (f"; {note}" if (note := res.recall_note()) else "")

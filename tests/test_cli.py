@@ -324,3 +324,45 @@ def test_chat_set_changes_cache_and_sampling_settings(tiny, capsys):
         assert (session.settings, session.sampling) == before, line
     _chat_command(session, "/set temperature=0.3")
     assert "no change" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("decode", ["auto", "graph"])  # graph: the step that runs ahead of the host (a GPU's)
+def test_ctrl_c_in_the_terminal_chat_stops_the_reply_and_keeps_it(decode, tokenizer, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while a reply streams (here: SIGINT sent while the fifth token is read back) stops it between two
+    tokens: its turn is closed and saved with the partial reply, the cache, token log and next positions agree, the
+    next message is answered, and Ctrl-C means KeyboardInterrupt again after the reply. It used to raise inside a
+    model step and leave the turn open: never saved, the cache and the log apart."""
+    import os
+    import signal
+
+    from kvchat.app.terminal import stream
+    from kvchat.core.engine import sampling
+    from kvchat.core.engine.session import Sampling, Session
+    from kvchat.core.engine.settings import Settings
+    from kvchat.core.model.loading import ChatModel
+
+    model = ChatModel.from_pretrained_model(build_tiny("llama", tokenizer), tokenizer, name="tiny", decode=decode)
+    store = Store(tmp_path / "kv.db")
+    session = Session(model, Settings(policy="h2o", budget=48, window=8, slack=8, recall="off"), store=store,
+                      sampling=Sampling(max_new_tokens=30, temperature=0.0))
+    session.chat("Hello there")
+    read, reads = sampling.Sampler.read, []
+
+    def read_interrupted(self):
+        reads.append(1)
+        if len(reads) == 5:
+            os.kill(os.getpid(), signal.SIGINT)
+        return read(self)
+
+    monkeypatch.setattr(sampling.Sampler, "read", read_interrupted)
+    res = stream(session, session.reply("Tell me about the sea"))
+    assert res.stopped == "cancelled" and 4 <= res.new_tokens <= 6 and session.history[-1] is res
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    positions = session.kept_positions()
+    assert int(positions.max()) == session.log.n - 1 and session.cache.length == session.cache.layers[0].lens[0]
+    monkeypatch.setattr(sampling.Sampler, "read", read)
+    assert session.chat("And then?").new_tokens > 0
+    messages = store.messages(session.conversation_id)
+    assert [m["role"] for m in messages][-4:] == ["user", "assistant", "user", "assistant"]
+    assert messages[-3]["text"] == res.answer and res.answer
+    capsys.readouterr()
