@@ -150,13 +150,12 @@ class KVCache(Cache):
         computed key and value (storage/kvrows.py), the per-slot statistics, and each layer's capacities and
         offsets: with the rows, everything needed to rebuild the cache exactly (``load_slot_state``)."""
         out = {}
-        for i, layer in enumerate(self.layers):
-            if not layer.is_initialized:
-                continue
+        layers = [(i, layer) for i, layer in enumerate(self.layers) if layer.is_initialized]
+        names = [*self.SLOT_STATE, *(f"stat.{n}" for layer in self.layers if layer.is_initialized for n in layer.stats)]
+        for (i, layer), host in zip(layers, slab.on_host([layer for _, layer in layers], set(names))):
             for h in range(layer.heads):
-                for name, t in layer.per_slot().items():
-                    if name in self.SLOT_STATE or name.startswith("stat."):
-                        out[f"{i}.{h}.{name}"] = layer.head_view(t, h).cpu().contiguous()
+                for name, t in host.items():
+                    out[f"{i}.{h}.{name}"] = layer.head_view(t, h).clone()
             out[f"{i}.pos_off"] = torch.tensor(layer.pos_off)
             out[f"{i}.caps"] = torch.tensor(layer.caps)
         return out

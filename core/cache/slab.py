@@ -114,6 +114,24 @@ def move(layers, index: list[torch.Tensor], kept: list[list[int]], rotary=None, 
             layer.pos_off = [next_pos - k for k in kept[li]]
 
 
+def on_host(layers, names) -> list[dict[str, torch.Tensor]]:
+    """Each layer's per-slot tensors named in ``names`` on the host, [slots, ...] as ``per_slot`` gives them: one copy
+    per slab tensor (or per tensor outside a slab), where a copy per layer and head would wait for the device each
+    time. On the CPU, views of the tensors themselves."""
+    copies: dict[int, torch.Tensor] = {}
+    out = []
+    for layer in layers:
+        mine = {}
+        for name, t in layer.per_slot().items():
+            if name in names:
+                base, start = _where(layer, name, t)
+                if id(base) not in copies:
+                    copies[id(base)] = base.cpu()
+                mine[name] = copies[id(base)][start: start + t.shape[0]]
+        out.append(mine)
+    return out
+
+
 def _indices(layers, members, flat, width, kept, caps, first_row, next_pos):
     """For a run of layers (``members``: (layer, source start, target start) each): the source rows of their kept
     slots, the target rows and the new positions (with ``next_pos``), layer by layer, head by head."""

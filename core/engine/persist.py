@@ -34,6 +34,7 @@ import torch
 from ...storage import statefile
 from ...storage.db import now_iso
 from ...storage.kvrows import RowFile
+from ..cache import slab
 from ..recall.digest import Digests
 from .turns import TurnResult
 
@@ -146,14 +147,13 @@ def write_rows(session) -> None:
     """Write the computed key and value of every slot without a row (the turn's new ones) into free rows: none that
     the last committed state, the undo copy or the cache itself names. One copy off the device for all of them."""
     rows, cache = session.files.rows, session.cache
+    layers = [layer for layer in cache.layers if layer.is_initialized]
     pending = []
-    for layer in cache.layers:
-        if not layer.is_initialized:
-            continue
-        used = torch.cat([torch.arange(a, a + n, device=layer.device) for a, n in zip(layer.offs, layer.lens)])
-        fresh = used[layer.rows[used] < 0]
-        if fresh.numel():
-            pending.append((layer, fresh))
+    for layer, host in zip(layers, slab.on_host(layers, {"rows"})):  # every layer's rows read back at once
+        used = np.concatenate([np.arange(a, a + n) for a, n in zip(layer.offs, layer.lens)])
+        fresh = used[host["rows"].numpy()[used] < 0]
+        if fresh.size:
+            pending.append((layer, torch.from_numpy(fresh).to(layer.device)))
     if not pending:
         return
     first = pending[0][0]
