@@ -35,12 +35,11 @@ def periodicity(spectrum: torch.Tensor) -> torch.Tensor:
     of the strongest harmonic series (a frequency and its multiples; periods of 4 to 32 positions) relative to
     what the same number of bins holds in a flat spectrum. About 1-2 for noise; a comb of period p scores ~p."""
     bins = spectrum.shape[1]
-    total = spectrum.sum(1).clamp_min(1e-12)
-    best = torch.zeros(spectrum.shape[0], device=spectrum.device)
-    for f in range(2, bins // 4 + 1):
-        idx = torch.arange(f, bins + 1, f, device=spectrum.device) - 1
-        best = torch.maximum(best, spectrum[:, idx].sum(1) / total * bins / idx.numel())
-    return best
+    total = spectrum.sum(1, keepdim=True).clamp_min(1e-12)
+    # row f - 2 of the combs: 1 at the bins of frequency f and its multiples (bin i holds frequency i + 1)
+    frequency = torch.arange(2, bins // 4 + 1, device=spectrum.device)[:, None]
+    combs = ((torch.arange(1, bins + 1, device=spectrum.device)[None, :] % frequency) == 0).to(spectrum.dtype)
+    return (spectrum @ combs.T / total * bins / combs.sum(1)).amax(1).clamp(min=0)
 
 
 @register
@@ -140,19 +139,17 @@ class HeadAware(Policy):
         acc = view.acc if view.acc is not None else torch.zeros_like(recency)
         acc = acc / (view.fed - view.positions).clamp(min=1)
         votes = view.window.sum(1)
-        scores = torch.empty_like(recency)
-        for h, cls in enumerate(self.classes[view.layer]):
-            if cls == "local":
-                scores[h] = recency[h]
-            elif cls == "retrieval":
-                scores[h] = acc[h]
-            else:  # induction: uniform samples first (half the budget), then the pattern's key points
-                budget = self.kept[view.layer][h] if view.layer < len(self.kept) else n
-                held = int(view.valid[h].sum())
-                stride = max(1, held // max(1, budget // 2))
-                sample = torch.zeros(n, dtype=torch.bool, device=recency.device)
-                sample[:held:stride] = True
-                scores[h] = torch.where(sample, 2.0 + votes[h], votes[h])
+        classes = self.classes[view.layer]
+        budgets = self.kept[view.layer] if view.layer < len(self.kept) else [n] * len(classes)
+        # induction: uniform samples first (every stride-th held slot, half the budget), then the pattern's key points
+        device = recency.device
+        held = view.valid.sum(1, keepdim=True)
+        stride = (held // torch.tensor([max(1, b // 2) for b in budgets], device=device)[:, None]).clamp(min=1)
+        slots = torch.arange(n, device=device)[None, :]
+        induction = torch.where((slots % stride == 0) & (slots < held), 2.0 + votes, votes)
+        kind = torch.tensor([CLASSES.index(c) for c in classes], device=device)[:, None]
+        scores = torch.where(kind == CLASSES.index("local"), recency,
+                             torch.where(kind == CLASSES.index("retrieval"), acc, induction))
         if self.new_tokens and view.groups is not None:
             newest = view.groups.gather(1, (view.valid.sum(1, keepdim=True) - 1).clamp(min=0))
             slots = torch.arange(n, device=recency.device)[None, :]
