@@ -141,3 +141,21 @@ def test_set_padded_writes_each_heads_held_slots_back(ragged):
         a, n = layer.offs[h], layer.lens[h]
         assert torch.equal(acc[a: a + n], before[a: a + n] * 2 + 1)
         assert torch.equal(acc[a + n: a + layer.caps[h]], before[a + n: a + layer.caps[h]])
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o"])  # h2o: a statistic made after the layers' first buffers
+def test_a_new_caches_layers_share_one_slab_and_the_first_compression_moves_in_place(policy, tokenizer):
+    """A bounded cache's layers take their first buffers from one slab (and H2O's statistic from the same), so the
+    first compression already moves their slots in place: nothing is copied into new storage, a graph captured
+    before it stays valid."""
+    model = ChatModel.from_pretrained_model(build_tiny("llama", tokenizer), tokenizer, name="tiny", decode="graph")
+    session = Session(model, Settings(policy=policy, budget=64, window=8, slack=8, recall="off"), system=None,
+                      sampling=Sampling(max_new_tokens=8, temperature=0.0))
+    session.chat("Hello there.")
+    layers = session.cache.layers
+    assert session.evicted_total == 0 and all(layer.slab is layers[0].slab for layer in layers)
+    assert slab._in_slabs(layers) and ("stat.acc" in layers[0].slab.bases) == (policy == "h2o")
+    where = [(layer.version, layer.keys.data_ptr()) for layer in layers]
+    session.chat("Tell me about the sea and the mountains, and the rivers and lakes, and the sky above them all.")
+    assert session.evicted_total > 0
+    assert [(layer.version, layer.keys.data_ptr()) for layer in layers] == where

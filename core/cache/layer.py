@@ -64,7 +64,12 @@ class KVLayer(CacheLayerMixin):
         self.start(key_states.dtype, key_states.device, key_states.shape[-1], value_states.shape[-1])
         self.lens = [0] * key_states.shape[1]
         self.pos_off = [0] * key_states.shape[1]  # a fresh cache: slot i holds position i
-        self._allocate([self._owner.initial_capacity(key_states.shape[-2])] * key_states.shape[1])
+        caps = [self._owner.initial_capacity(key_states.shape[-2])] * key_states.shape[1]
+        first = self._owner.first_buffers(self, caps)  # a slab shared with the layers after it, where alike
+        if first is None:
+            self._allocate(caps)
+        else:
+            self.adopt(caps, first.views(self.index - first.first_layer, sum(caps)), first)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -198,21 +203,22 @@ class KVLayer(CacheLayerMixin):
         return out
 
     def _allocate(self, caps: list[int]) -> None:
-        total = sum(caps)
+        """New buffers of ``caps`` slots per head: a slab of this layer alone."""
+        slab = slabs.Slab([caps], self.slot_spec(), self.device)
+        self.adopt(caps, slab.views(0, sum(caps)), slab)
 
-        def zeros(*row, dtype=self.dtype):
-            # Zeros, not uninitialised memory: the compiled decode step (core/decode) attends over every slot with the
-            # unused ones masked, and a masked probability times a NaN left in an unused value slot would still be NaN.
-            return torch.zeros(total, *row, dtype=dtype, device=self.device)
-
+    def slot_spec(self) -> dict[str, tuple]:
+        """The layer's per-slot tensors as a slab allocates them: name -> (dtype, row shape, empty value). Zeros, not
+        uninitialised memory: the compiled decode step (core/decode) attends over every slot with the unused ones
+        masked, and a masked probability times a NaN left in an unused value slot would still be NaN."""
         kdim, vdim = self._dims
-        buffers = {"keys": zeros(kdim), "values": zeros(vdim), "abs_pos": zeros(dtype=torch.int32),
-                   "computed": zeros(dtype=torch.int32),
-                   "rows": torch.full((total,), -1, dtype=torch.int64, device=self.device)}
-        if self._owner.keeps_computed:
-            buffers["k0"] = zeros(kdim)
-        buffers.update({f"stat.{name}": zeros(dtype=t.dtype) for name, t in self.stats.items()})
-        self.adopt(caps, buffers)
+        spec = {"keys": (self.dtype, (kdim,), 0), "values": (self.dtype, (vdim,), 0), "k0": (self.dtype, (kdim,), 0),
+                "abs_pos": (torch.int32, (), 0), "computed": (torch.int32, (), 0), "rows": (torch.int64, (), -1)}
+        if not self._owner.keeps_computed:
+            del spec["k0"]
+        spec = {name: spec[name] for name in SLOT_TENSORS if name in spec}  # ``per_slot``'s order
+        spec.update({f"stat.{name}": (t.dtype, (), 0) for name, t in self.stats.items()})
+        return spec
 
     def adopt(self, caps: list[int], buffers: dict[str, torch.Tensor], slab=None) -> None:
         """Hold the per-slot tensors ``buffers`` (named as ``per_slot`` names them) of ``caps`` slots per head, views of
@@ -238,7 +244,10 @@ class KVLayer(CacheLayerMixin):
     def ensure_stat(self, name: str) -> torch.Tensor:
         """A per-slot float statistic (zeros for slots that held nothing yet)."""
         if name not in self.stats or self.stats[name].numel() != self.keys.shape[0]:
-            self.stats[name], self.version = torch.zeros(self.keys.shape[0], device=self.device), self.version + 1
+            # in the layer's slab where it has one, beside the other layers' (a compression moves them together)
+            t = self.slab.stat(self, name) if self.slab is not None else torch.zeros(self.keys.shape[0],
+                                                                                       device=self.device)
+            self.stats[name], self.version = t, self.version + 1
         return self.stats[name]
 
     def split(self) -> tuple[RaggedKV, RaggedKV]:

@@ -6,9 +6,12 @@ layer's tensors are views of its rows. ``move`` keeps, for every layer and head,
 head's region (re-rotating their keys), with one ``index_select`` and one ``index_copy_`` per tensor of a slab
 however many layers and heads the slab holds: where a compression moved each layer apart (~30 operations and 2-3
 host syncs a layer, which on a GPU are launches), it now moves each slab at once. A compression that changes the
-capacities — or finds its layers' tensors outside slabs (a new cache, a new statistic) — writes the kept slots into
-new slabs of at most ``SLAB_BYTES`` each, so the old and the new storage are held at once during that compression;
-one that keeps them moves the slots within their slabs, so a graph captured over the buffers stays valid.
+capacities — or finds its layers' tensors outside one slab (a layer given buffers of its own, say by an undo of other
+capacities) — writes the kept slots into new slabs of at most ``SLAB_BYTES`` each, so the old and the new storage
+are held at once during that compression; one that keeps them moves the slots within their slabs, so a graph
+captured over the buffers stays valid. A new cache of a fixed capacity gives its layers their first buffers from one
+slab (``KVCache.first_buffers``), and a statistic made later joins its layer's slab (``Slab.stat``): the first
+compression already moves in place.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ class Slab:
     """Consecutive layers' per-slot tensors: ``bases[name]`` holds every layer's rows, layer ``i``'s from
     ``starts[i]``; ``spec``: name -> (dtype, shape of a row, the value of an empty slot)."""
 
-    def __init__(self, caps: list[list[int]], spec: dict[str, tuple], device):
+    def __init__(self, caps: list[list[int]], spec: dict[str, tuple], device, first_layer: int = 0):
+        self.first_layer = first_layer  # the index of the layer at ``starts[0]`` (for a cache's first buffers)
+        self.caps, self.spec, self.device = caps, spec, device
         sizes = [sum(c) for c in caps]
         self.starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()
         self.size = sum(sizes)
@@ -33,10 +38,14 @@ class Slab:
     def views(self, i: int, size: int) -> dict[str, torch.Tensor]:
         return {name: base[self.starts[i]: self.starts[i] + size] for name, base in self.bases.items()}
 
-
-def spec_of(layer) -> dict[str, tuple]:
-    """A layer's per-slot tensors as a slab allocates them: name -> (dtype, row shape, empty value)."""
-    return {name: (t.dtype, tuple(t.shape[1:]), -1 if name == "rows" else 0) for name, t in layer.per_slot().items()}
+    def stat(self, layer, name: str) -> torch.Tensor:
+        """A new per-slot float statistic of ``layer`` (one of this slab's), zeros: its rows of a tensor the slab
+        makes for every layer's ``name`` when the first asks."""
+        key = f"stat.{name}"
+        if key not in self.bases:
+            self.bases[key] = torch.zeros(self.size, device=layer.device)
+        _, start = _where(layer, "keys", layer.keys)
+        return self.bases[key][start: start + layer.keys.shape[0]].zero_()
 
 
 def allocate(layers, caps: list[list[int]]) -> list[tuple[Slab, int]]:
@@ -45,9 +54,9 @@ def allocate(layers, caps: list[list[int]]) -> list[tuple[Slab, int]]:
     runs: list[list[int]] = []
     used = 0
     for i, layer in enumerate(layers):
-        spec = spec_of(layer)
+        spec = layer.slot_spec()
         size = sum(caps[i]) * sum(_row_bytes(dtype, shape) for dtype, shape, _ in spec.values())
-        if not runs or spec != spec_of(layers[runs[-1][0]]) or layer.device != layers[runs[-1][0]].device \
+        if not runs or spec != layers[runs[-1][0]].slot_spec() or layer.device != layers[runs[-1][0]].device \
                 or used + size > SLAB_BYTES:
             runs.append([])
             used = 0
@@ -55,7 +64,7 @@ def allocate(layers, caps: list[list[int]]) -> list[tuple[Slab, int]]:
         used += size
     out = []
     for run in runs:
-        slab = Slab([caps[i] for i in run], spec_of(layers[run[0]]), layers[run[0]].device)
+        slab = Slab([caps[i] for i in run], layers[run[0]].slot_spec(), layers[run[0]].device)
         out.extend((slab, j) for j in range(len(run)))
     return out
 
