@@ -18,7 +18,6 @@ unmodified.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from transformers.cache_utils import Cache
 
@@ -72,7 +71,7 @@ class KVCache(Cache):
             if layer.index == first.first_layer + len(first.starts) - 1:
                 self._first = None  # the last layer it was made for: the layers' views hold it from now on
             return first
-        size = sum(caps) * sum(int(np.prod(shape)) * dtype.itemsize for dtype, shape, _ in spec.values())
+        size = sum(caps) * slab.slot_bytes(spec)
         count = max(1, min(len(self.layers) - layer.index, slab.SLAB_BYTES // max(1, size)))
         self._first = slab.Slab([list(caps)] * count, spec, layer.device, first_layer=layer.index)
         return self.first_buffers(layer, caps)

@@ -55,7 +55,7 @@ def allocate(layers, caps: list[list[int]]) -> list[tuple[Slab, int]]:
     used = 0
     for i, layer in enumerate(layers):
         spec = layer.slot_spec()
-        size = sum(caps[i]) * sum(_row_bytes(dtype, shape) for dtype, shape, _ in spec.values())
+        size = sum(caps[i]) * slot_bytes(spec)
         if not runs or spec != layers[runs[-1][0]].slot_spec() or layer.device != layers[runs[-1][0]].device \
                 or used + size > SLAB_BYTES:
             runs.append([])
@@ -184,5 +184,6 @@ def _pad(index: torch.Tensor, width: int) -> torch.Tensor:
     return index if index.shape[1] == width else torch.nn.functional.pad(index, (0, width - index.shape[1]))
 
 
-def _row_bytes(dtype: torch.dtype, shape: tuple) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+def slot_bytes(spec: dict[str, tuple]) -> int:
+    """The bytes one slot takes in every per-slot tensor of ``spec`` (``KVLayer.slot_spec``)."""
+    return sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for dtype, shape, _ in spec.values())
