@@ -159,3 +159,24 @@ def test_a_new_caches_layers_share_one_slab_and_the_first_compression_moves_in_p
     session.chat("Tell me about the sea and the mountains, and the rivers and lakes, and the sky above them all.")
     assert session.evicted_total > 0
     assert [(layer.version, layer.keys.data_ptr()) for layer in layers] == where
+
+
+def test_a_reopened_conversations_layers_share_one_slab(tokenizer, tmp_path):
+    """A stored conversation reopened (its cache rebuilt layer by layer from the slot state and the rows) holds its
+    layers in one slab, as a new cache does, with the cache it had."""
+    from kvchat.storage.db import Store
+
+    model = ChatModel.from_pretrained_model(build_tiny("llama", tokenizer), tokenizer, name="tiny", decode="graph")
+    store = Store(tmp_path / "kv.db")
+    session = Session(model, Settings(policy="h2o", budget=40, window=8, slack=8, recall="off"), store=store,
+                      sampling=Sampling(max_new_tokens=8, temperature=0.0))
+    session.chat("Hello there. Tell me about the sea and the mountains, and the rivers and lakes.")
+    session.chat("And the sky?")
+    saved = session.cache.state_tensors()
+    again = Session.resume(model, store, session.conversation_id)
+    layers = again.cache.layers
+    assert all(layer.slab is layers[0].slab for layer in layers) and slab._in_slabs(layers)
+    restored = again.cache.state_tensors()
+    assert restored.keys() == saved.keys()
+    for name, t in saved.items():
+        torch.testing.assert_close(restored[name], t, rtol=0, atol=0)

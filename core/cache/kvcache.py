@@ -211,6 +211,9 @@ class KVCache(Cache):
                 fields["keys"] = rotary.rotate(fields["k0"], target - fields["computed"].long())
             layer.start(dtype, device, kdim, vdim)
             layer.fill(caps, fields, lens, pos_off)
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        if layers:  # filled one by one, each in a slab of its own: into shared slabs, as a compression expects them
+            slab.move(layers, [layer.held_slots() for layer in layers], [layer.lens for layer in layers], stack=True)
 
     def rows_named(self) -> torch.Tensor:
         """The storage rows every used slot names (-1 for slots not written yet), one flat CPU tensor."""

@@ -51,6 +51,15 @@ class Slab:
 def allocate(layers, caps: list[list[int]]) -> list[tuple[Slab, int]]:
     """New slabs for ``layers`` at capacities ``caps`` (one list per layer): consecutive layers of the same per-slot
     tensors share one while it stays under ``SLAB_BYTES``. Each layer's slab and place in it."""
+    out = []
+    for run in _runs(layers, caps):
+        slab = Slab([caps[i] for i in run], layers[run[0]].slot_spec(), layers[run[0]].device)
+        out.extend((slab, j) for j in range(len(run)))
+    return out
+
+
+def _runs(layers, caps: list[list[int]]) -> list[list[int]]:
+    """How ``allocate`` groups ``layers`` into slabs: runs of consecutive layers' indices."""
     runs: list[list[int]] = []
     used = 0
     for i, layer in enumerate(layers):
@@ -62,11 +71,7 @@ def allocate(layers, caps: list[list[int]]) -> list[tuple[Slab, int]]:
             used = 0
         runs[-1].append(i)
         used += size
-    out = []
-    for run in runs:
-        slab = Slab([caps[i] for i in run], layers[run[0]].slot_spec(), layers[run[0]].device)
-        out.extend((slab, j) for j in range(len(run)))
-    return out
+    return runs
 
 
 def move(layers, index: list[torch.Tensor], kept: list[list[int]], rotary=None, next_pos: int | None = None,
@@ -169,15 +174,16 @@ def _where(layer, name: str, t: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _in_slabs(layers) -> bool:
-    """Whether every per-slot tensor of ``layers`` is a view of its layer's slab, and the slabs hold nothing else."""
-    slabs = {}
+    """Whether ``layers`` are in the slabs ``allocate`` would make for them now: every per-slot tensor a view of its
+    layer's slab, and each slab holding the rows of the layers ``allocate`` would give it, nothing else."""
     for layer in layers:
         for name, t in layer.per_slot().items():
             base, _ = _where(layer, name, t)
             if layer.slab is None or base is not layer.slab.bases.get(name):
                 return False
-        slabs[id(layer.slab)] = layer.slab
-    return sum(s.size for s in slabs.values()) == sum(sum(layer.caps) for layer in layers)
+    # each run's slab holds exactly its layers' rows (a layer in another slab leaves it short or long)
+    return all(layers[run[0]].slab.size == sum(sum(layers[i].caps) for i in run)
+               for run in _runs(layers, [layer.caps for layer in layers]))
 
 
 def _pad(index: torch.Tensor, width: int) -> torch.Tensor:
