@@ -55,7 +55,7 @@ class KVLayer(CacheLayerMixin):
         self.stats: dict[str, torch.Tensor] = {}  # per-slot statistics, one float per slot (e.g. "acc")
         self.abs_pos = self.computed = self.rows = self.k0 = None
         self.version = 0  # counts new buffers (``adopt``, a new statistic): a graph captured over them is stale
-        self.slab = None  # the slab (core/cache/slab.py) the per-slot tensors are views of, if any
+        self.slab = None  # the slab (core/cache/slab.py) the per-slot tensors are views of, once allocated
 
     # -- transformers' layer interface ------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -244,10 +244,8 @@ class KVLayer(CacheLayerMixin):
     def ensure_stat(self, name: str) -> torch.Tensor:
         """A per-slot float statistic (zeros for slots that held nothing yet)."""
         if name not in self.stats or self.stats[name].numel() != self.keys.shape[0]:
-            # in the layer's slab where it has one, beside the other layers' (a compression moves them together)
-            t = self.slab.stat(self, name) if self.slab is not None else torch.zeros(self.keys.shape[0],
-                                                                                       device=self.device)
-            self.stats[name], self.version = t, self.version + 1
+            # in the layer's slab, beside the other layers' (a compression moves them together)
+            self.stats[name], self.version = self.slab.stat(self, name), self.version + 1
         return self.stats[name]
 
     def split(self) -> tuple[RaggedKV, RaggedKV]:

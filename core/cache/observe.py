@@ -226,7 +226,6 @@ class Observer:
             out[h, :, : layer.lens[h]] = _probs(qf[h: h + 1], keys[None].expand(1, -1, -1), scaling)[0]
         return out
 
-
     def window_attentions(self, layers: list[int], rotary: Rotary | None, next_pos: int | None) -> list:
         """``window_attention`` of each of ``layers``: layers alike (heads of one length, as many queries remembered,
         the same shapes and scaling) in one batched product, the rest one by one."""
