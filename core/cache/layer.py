@@ -12,8 +12,9 @@ in time order. Per slot:
 * the policy's statistics (``stats``, e.g. H2O's "acc").
 
 New tokens are written after the last used slot (``claim``, then the keys and values); ``keep()`` gathers the
-slots to keep to the front of each region. The interface transformers calls is ``update``; the engine calls
-``keep``, ``resize`` and reads ``positions()`` / ``keys_dense()``.
+slots to keep to the front of each region (``slab.move``, which moves every layer of a slab at once, does it for a
+compression). The interface transformers calls is ``update``; the engine calls ``resize`` and reads ``positions()`` /
+``keys_dense()``.
 """
 
 from __future__ import annotations
@@ -275,9 +276,7 @@ class KVLayer(CacheLayerMixin):
         if self.uniform:
             t.view(self.heads, self.caps[0], *t.shape[1:])[:, : self.lens[0]].copy_(padded)
             return
-        lens = np.asarray(self.lens)
-        heads = np.repeat(np.arange(self.heads), lens)
-        j = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)  # each slot's place in its head
+        heads, j = slabs.places(self.lens)
         at = torch.from_numpy(np.stack([heads * padded.shape[1] + j, np.asarray(self.offs)[heads] + j]))
         at = at.to(t.device)
         t.index_copy_(0, at[1], padded.reshape(-1, *t.shape[1:]).index_select(0, at[0]))

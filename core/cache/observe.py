@@ -201,53 +201,45 @@ class Observer:
         target += _probs(qf, key[0].float(), scaling).sum(1)  # [heads, n]
 
     def window_attention(self, layer_idx: int, rotary: Rotary | None, next_pos: int | None) -> torch.Tensor | None:
-        """Attention of the remembered queries over layer ``layer_idx``'s current keys: [heads, rows, max_len]
-        (rows = queries remembered, oldest first; zeros where a shorter head holds nothing)."""
-        self._flush(layer_idx)
-        count = self._count.get(layer_idx, 0)
-        if not count:
-            return None
-        layer = self.cache.layers[layer_idx]
-        queries = self._queries[layer_idx][-count:]  # [rows, query heads, dim]
-        if rotary is not None and next_pos is not None:
-            target = torch.arange(next_pos - count, next_pos, device=queries.device, dtype=torch.float32)
-            delta = (target - self._qpos[layer_idx][-count:])[None, :]
-            queries = rotary.rotate(queries.transpose(0, 1), delta).transpose(0, 1)
-        heads = layer.heads
-        groups = queries.shape[1] // heads
-        qf = queries.permute(1, 0, 2).reshape(heads, groups, count, -1)
-        scaling = self._scaling[layer_idx]
-        if layer.uniform:
-            keys = layer.keys.view(heads, layer.caps[0], -1)[:, : layer.lens[0]].float()
-            return _probs(qf, keys, scaling)
-        out = torch.zeros(heads, count, layer.length, device=queries.device)
-        for h in range(heads):
-            keys = layer.keys[layer.offs[h]: layer.offs[h] + layer.lens[h]].float()
-            out[h, :, : layer.lens[h]] = _probs(qf[h: h + 1], keys[None].expand(1, -1, -1), scaling)[0]
-        return out
+        """Attention of the remembered queries over layer ``layer_idx``'s current keys (``window_attentions``)."""
+        return self.window_attentions([layer_idx], rotary, next_pos)[0]
 
     def window_attentions(self, layers: list[int], rotary: Rotary | None, next_pos: int | None) -> list:
-        """``window_attention`` of each of ``layers``: layers alike (heads of one length, as many queries remembered,
-        the same shapes and scaling) in one batched product, the rest one by one."""
+        """Attention of the remembered queries over each of ``layers``' current keys: [heads, rows, max_len] each
+        (rows = queries remembered, oldest first, moved to the last positions before ``next_pos``; zeros where a
+        shorter head holds nothing; None for a layer with no query remembered). Layers alike (heads of one length,
+        as many queries, the same shapes and scaling) in one batched product; a layer whose heads hold different
+        numbers head by head."""
         for li in layers:
             self._flush(li)
         out, alike = {}, {}
         for li in layers:
             layer, count = self.cache.layers[li], self._count.get(li, 0)
-            if count and layer.uniform:
-                key = (count, layer.lens[0], layer.heads, self._queries[li].shape, self._scaling[li], layer.device)
-                alike.setdefault(key, []).append(li)
-        for (count, n, heads, _, scaling, _), group in alike.items():
+            if not count:
+                out[li] = None
+                continue
+            key = (count, layer.lens[0], layer.heads, self._queries[li].shape, self._scaling[li], layer.device) \
+                if layer.uniform else li
+            alike.setdefault(key, []).append(li)
+        for group in alike.values():
+            count, layer, scaling = self._count[group[0]], self.cache.layers[group[0]], self._scaling[group[0]]
             queries = torch.stack([self._queries[li][-count:] for li in group]).transpose(1, 2)  # [L, qh, rows, d]
             if rotary is not None and next_pos is not None:
                 target = torch.arange(next_pos - count, next_pos, device=queries.device, dtype=torch.float32)
                 delta = target - torch.stack([self._qpos[li][-count:] for li in group])
                 queries = rotary.rotate(queries, delta[:, None, :])
-            keys = torch.stack([self.cache.layers[li].held_keys()[0] for li in group]).float()  # [L, heads, n, d]
+            heads = layer.heads
             qf = queries.reshape(len(group) * heads, -1, count, queries.shape[-1])
-            probs = _probs(qf, keys.flatten(0, 1), scaling).view(len(group), heads, count, n)
-            out.update(zip(group, probs))
-        return [out[li] if li in out else self.window_attention(li, rotary, next_pos) for li in layers]
+            if layer.uniform:
+                keys = torch.stack([self.cache.layers[li].held_keys()[0] for li in group]).float()  # [L, heads, n, d]
+                out.update(zip(group, _probs(qf, keys.flatten(0, 1), scaling).view(len(group), heads, count, -1)))
+                continue
+            probs = torch.zeros(heads, count, layer.length, device=queries.device)
+            for h in range(heads):
+                keys = layer.keys[layer.offs[h]: layer.offs[h] + layer.lens[h]].float()
+                probs[h, :, : layer.lens[h]] = _probs(qf[h: h + 1], keys[None].expand(1, -1, -1), scaling)[0]
+            out[group[0]] = probs
+        return [out[li] for li in layers]
 
 
 def _probs(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -84,7 +84,7 @@ def move(layers, index: list[torch.Tensor], kept: list[list[int]], rotary=None, 
     caps = [list(c) for c in caps] if caps is not None else [list(layer.caps) for layer in layers]
     if any(k > c for layer_kept, layer_caps in zip(kept, caps) for k, c in zip(layer_kept, layer_caps)):
         raise ValueError(f"cannot keep {kept} slots in heads of {caps}")
-    fresh = any(c != layer.caps for c, layer in zip(caps, layers)) or stack and not _in_slabs(layers)
+    fresh = any(c != layer.caps for c, layer in zip(caps, layers)) or stack and not in_slabs(layers)
     if rotary is not None and layers[0].k0 is None:
         raise RuntimeError("a cache that rotates keys keeps their computed keys (KVCache(keeps_computed=True))")
     targets = allocate(layers, caps) if fresh else None
@@ -128,6 +128,13 @@ def move(layers, index: list[torch.Tensor], kept: list[list[int]], rotary=None, 
             layer.pos_off = [next_pos - k for k in kept[li]]
 
 
+def places(counts) -> tuple[np.ndarray, np.ndarray]:
+    """For heads holding ``counts`` slots each, every slot in order: its head, and its place within the head."""
+    counts = np.asarray(counts, dtype=np.int64)
+    return np.repeat(np.arange(len(counts)), counts), \
+        np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 def on_host(layers, names) -> list[dict[str, torch.Tensor]]:
     """Each layer's per-slot tensors named in ``names`` on the host, [slots, ...] as ``per_slot`` gives them: one copy
     per slab tensor (or per tensor outside a slab), where a copy per layer and head would wait for the device each
@@ -154,8 +161,7 @@ def _indices(layers, members, flat, width, kept, caps, first_row, next_pos):
         counts = np.asarray(kept[li], dtype=np.int64)
         offs_old = np.asarray(layers[li].offs, dtype=np.int64)
         offs_new = np.concatenate([[0], np.cumsum(caps[li])[:-1]]).astype(np.int64)
-        heads = np.repeat(np.arange(len(counts)), counts)
-        j = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)  # place within the head
+        heads, j = places(counts)
         parts.append(((first_row[li] + heads) * width + j, s0 + offs_old[heads], d0 + offs_new[heads] + j,
                       (next_pos or 0) - counts[heads] + j))
     host = torch.from_numpy(np.stack([np.concatenate(column) for column in zip(*parts)])).to(flat.device)
@@ -173,7 +179,7 @@ def _where(layer, name: str, t: torch.Tensor) -> tuple[torch.Tensor, int]:
     return t, 0
 
 
-def _in_slabs(layers) -> bool:
+def in_slabs(layers) -> bool:
     """Whether ``layers`` are in the slabs ``allocate`` would make for them now: every per-slot tensor a view of its
     layer's slab, and each slab holding the rows of the layers ``allocate`` would give it, nothing else."""
     for layer in layers:

@@ -150,7 +150,8 @@ def write_rows(session) -> None:
     layers = [layer for layer in cache.layers if layer.is_initialized]
     pending = []
     for layer, host in zip(layers, slab.on_host(layers, {"rows"})):  # every layer's rows read back at once
-        used = np.concatenate([np.arange(a, a + n) for a, n in zip(layer.offs, layer.lens)])
+        heads, j = slab.places(layer.lens)
+        used = np.asarray(layer.offs)[heads] + j
         fresh = used[host["rows"].numpy()[used] < 0]
         if fresh.size:
             pending.append((layer, torch.from_numpy(fresh).to(layer.device)))
