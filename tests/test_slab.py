@@ -154,7 +154,7 @@ def test_a_new_caches_layers_share_one_slab_and_the_first_compression_moves_in_p
     session.chat("Hello there.")
     layers = session.cache.layers
     assert session.evicted_total == 0 and all(layer.slab is layers[0].slab for layer in layers)
-    assert slab._in_slabs(layers) and ("stat.acc" in layers[0].slab.bases) == (policy == "h2o")
+    assert slab.in_slabs(layers) and ("stat.acc" in layers[0].slab.bases) == (policy == "h2o")
     where = [(layer.version, layer.keys.data_ptr()) for layer in layers]
     session.chat("Tell me about the sea and the mountains, and the rivers and lakes, and the sky above them all.")
     assert session.evicted_total > 0
@@ -175,7 +175,7 @@ def test_a_reopened_conversations_layers_share_one_slab(tokenizer, tmp_path):
     saved = session.cache.state_tensors()
     again = Session.resume(model, store, session.conversation_id)
     layers = again.cache.layers
-    assert all(layer.slab is layers[0].slab for layer in layers) and slab._in_slabs(layers)
+    assert all(layer.slab is layers[0].slab for layer in layers) and slab.in_slabs(layers)
     restored = again.cache.state_tensors()
     assert restored.keys() == saved.keys()
     for name, t in saved.items():

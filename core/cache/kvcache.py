@@ -161,6 +161,7 @@ class KVCache(Cache):
             per_head = [{name.split(".", 2)[2]: t for name, t in tensors.items() if name.startswith(f"{i}.{h}.")}
                         for h in range(len(caps))]
             layer.load(caps, per_head, tensors[f"{i}.pos_off"].tolist())
+        self.gather_slabs()
 
     #: What the durable state keeps of each slot (``slot_state``); keys and values are in the storage's rows.
     SLOT_STATE = ("abs_pos", "computed", "rows")
@@ -211,8 +212,13 @@ class KVCache(Cache):
                 fields["keys"] = rotary.rotate(fields["k0"], target - fields["computed"].long())
             layer.start(dtype, device, kdim, vdim)
             layer.fill(caps, fields, lens, pos_off)
+        self.gather_slabs()
+
+    def gather_slabs(self) -> None:
+        """Layers filled one by one (a reopened conversation, an undo to other capacities), each in a slab of its
+        own, moved with their slots into the slabs a compression moves at once; nothing where they are in them."""
         layers = [layer for layer in self.layers if layer.is_initialized]
-        if layers:  # filled one by one, each in a slab of its own: into shared slabs, as a compression expects them
+        if layers and not slab.in_slabs(layers):
             slab.move(layers, [layer.held_slots() for layer in layers], [layer.lens for layer in layers], stack=True)
 
     def rows_named(self) -> torch.Tensor:
