@@ -552,6 +552,31 @@ def test_word_overlap_ranks_the_sentence_sharing_a_rare_word_first(tokenizer):
     assert float(fused[1]) > float(fused[0]) and float(fused[2]) > float(fused[0])
 
 
+def test_recall_takes_ids_past_the_tokenizer_from_a_padded_vocabulary(tokenizer, tmp_path):
+    """Models often have more output ids than their tokenizer has tokens (a padded embedding): a reply made of
+    such ids (here one the model picks often) is kept, and recall's word overlap gives them no word where it
+    indexed past its table (seen on an H100: ``IndexError`` at a chat's second message)."""
+    from transformers import AutoModelForCausalLM
+
+    from kvchat.core.model.loading import ChatModel
+    from kvchat.core.recall.lexical import word_forms
+    from tinymodels import TINY_CONFIGS
+
+    torch.manual_seed(0)
+    config = TINY_CONFIGS["llama"](len(tokenizer) + 64)
+    net = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        net.lm_head.weight[len(tokenizer) + 5] = net.lm_head.weight.abs().max() * 50 * net.model.norm.weight.sign()
+    model = ChatModel.from_pretrained_model(net, tokenizer, name="tiny-padded")
+    session = Session(model, _settings(budget=40), store=Store(tmp_path / "p.db"), sampling=GREEDY)
+    results = [session.chat(user) for user, _ in TURNS]
+    ids = session.log.column("token")
+    assert int((ids >= len(tokenizer)).sum()) >= len(TURNS)  # padding ids in the replies
+    assert sum(r.recall_ms is not None for r in results) == len(TURNS) and session.evicted_total > 0
+    assert session.cache.length <= session.settings.capacity
+    assert word_forms(model).shape[0] == len(tokenizer) + 64 and int(word_forms(model)[-1]) == -1
+
+
 @pytest.mark.parametrize("policy", ["h2o", "headaware"])  # h2o: a statistic per slot; headaware: heads' own lengths
 def test_reorder_puts_recalled_slots_in_place_with_the_median_statistic(policy, tiny):
     """``compress.reorder`` after recall read text again at the end of the cache: every head's slots in conversation

@@ -31,10 +31,13 @@ def normal_forms(tokenizer) -> torch.Tensor:
 
 
 def word_forms(model) -> torch.Tensor:
-    """``normal_forms`` of a ChatModel's tokenizer less its chat template's own tokens ("user" is no topic),
-    computed once and kept on the model (``model.words``)."""
+    """``normal_forms`` of a ChatModel's tokenizer less its chat template's own tokens ("user" is no topic), over
+    every id the model can produce (-1 past the tokenizer's own: models often pad their vocabulary, and a sampled
+    padding id has no word), computed once and kept on the model (``model.words``)."""
     if getattr(model, "words", None) is None:
         forms = normal_forms(model.tokenizer)
+        vocab = getattr(model.model.config, "vocab_size", None) or 0
+        forms = torch.cat([forms, forms.new_full((max(vocab - len(forms), 0),), -1)])
         forms[model.scaffolding_ids().long()] = -1
         model.words = forms
     return model.words
