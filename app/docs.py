@@ -32,15 +32,17 @@ OTHER_FLAGS = (
      "loaded; +50% weight memory for fp32); `model`: as loaded; `auto`: `half` for an fp32 model on the CPU"),
     ("`--decode`", "auto",
      "`auto`: one-token steps of Llama-family models (Llama, Mistral, Qwen2) run in kvchat's step (`core/decode`: the "
-     "model's computation without transformers' per-module dispatch; on CUDA the graph step; on the CPU with "
+     "model's computation without transformers' per-module dispatch; on CUDA the graph step in Triton's kernels, "
+     "`triton` below; on the CPU with "
      "`--weights half` and a C++ compiler on kvchat's operators, `core/ops/kernels.py`: one call per layer), other "
      "models through their forward; `graph`: the whole step (every layer, the cache write, attention, the policy's "
      "statistics) captured once as a CUDA graph over the cache's fixed-capacity buffers and replayed per token "
      "(`core/decode/graph.py`; uncaptured on the CPU); `compiled`: on the CPU the eager step, every layer in one "
      "`torch.compile` graph (fp32 models; a minute or two to compile the first time, seconds once inductor's cache "
      "has it; eager step if compiling fails), on CUDA the graph step with each layer compiled by `torch.compile` "
-     "into fused kernels before it is captured (the graph step uncompiled if compiling fails); `triton` (CUDA): the "
-     "graph step with each layer in kvchat's own Triton kernels, 10 a layer ([gpu.md](gpu.md#the-triton-kernels); "
+     "into fused kernels before it is captured (the graph step uncompiled if compiling fails); `triton` (CUDA; "
+     "`auto`'s there): the graph step with each layer in kvchat's own Triton kernels, 10 a layer, the fastest "
+     "measured ([gpu.md](gpu.md#the-triton-kernels); "
      "the graph step as written if Triton fails or does not serve the model; on the CPU the eager step); `model`: "
      "every step through the model's forward"),
     ("`--chat-template`", "the model's",

@@ -75,11 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--compiled-reference", action=argparse.BooleanOptionalAction, default=True,
                    help="also time transformers with a static cache and torch.compile, at the first budget "
                         "(compiling takes a minute)")
-    g.add_argument("--graph-variants", nargs="+", default=["graph", "compiled", "triton"],
+    g.add_argument("--graph-variants", nargs="+", default=["triton", "graph", "compiled"],
                    choices=("graph", "compiled", "triton", "graph-sync"),
-                   help="the graph steps measured one after the other on the same model: as written, with its layers "
-                        "compiled (--decode compiled), in kvchat's Triton kernels (--decode triton), and as written "
-                        "fed each token once the host has read it (graph-sync: what running ahead buys)")
+                   help="graph steps measured in turn on one model: in kvchat's Triton kernels (auto's on CUDA), as "
+                        "written (graph), its layers compiled (compiled), as written fed each token once the host "
+                        "has read it (graph-sync: what running ahead buys)")
     g.add_argument("--replay-turns", type=int, default=2000,
                    help="turns of the TTFT chat, whose peak GPU memory is compared at turn 100 and at the last")
 

@@ -147,6 +147,14 @@ def test_graph_is_the_default_step_only_on_cuda(tokenizer):
     assert build(gpt2, "graph") is None  # not a Llama-family decoder: the model's forward
 
 
+@cuda
+@pytest.mark.cuda
+def test_auto_on_cuda_is_the_graph_step_in_tritons_kernels(tokenizer):
+    """``--decode auto`` on CUDA: the fastest step measured (docs/gpu.md), the graph step's layers in Triton."""
+    step = build(build_tiny("llama", tokenizer).to(device="cuda", dtype=torch.bfloat16), "auto")
+    assert isinstance(step, GraphStep) and step.triton and step.asked == "triton" and step.compile_error is None
+
+
 def test_draw_samples_each_token_with_its_probability():
     probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
     gen = torch.Generator().manual_seed(0)

@@ -3,10 +3,10 @@
 * ``eager.DecodeStep`` (``--decode auto``): Llama-family models layer by layer without transformers' dispatch; on
   the CPU with ``--weights half`` one of kvchat's C++ operators per layer (core/ops);
 * ``compiled.CompiledStep`` (``--decode compiled`` on the CPU): that step as one ``torch.compile`` graph (fp32);
-* ``graph.GraphStep`` (``--decode graph``, and ``auto`` on CUDA): the whole step captured once as a CUDA graph over
-  the cache's fixed-capacity buffers and replayed per token (on the CPU it runs uncaptured: tests); with
-  ``--decode compiled`` on CUDA each layer compiled by ``torch.compile`` first (fused kernels), then captured; with
-  ``--decode triton`` (CUDA) each layer in kvchat's own Triton kernels (``graph_triton``), then captured;
+* ``graph.GraphStep`` (``--decode graph``): the whole step captured once as a CUDA graph over the cache's
+  fixed-capacity buffers and replayed per token (on the CPU it runs uncaptured: tests); with ``--decode compiled`` on
+  CUDA each layer compiled by ``torch.compile`` first (fused kernels), then captured; with ``--decode triton``, and
+  ``auto`` on CUDA, each layer in kvchat's own Triton kernels (``graph_triton``), then captured;
 * ``None`` (``--decode model``, or a model the steps do not serve): every step through the model's forward.
 """
 
@@ -36,7 +36,9 @@ def build(model: nn.Module, decode: str = "auto") -> DecodeStep | None:
     elif decode == "graph" or (decode in ("auto", "compiled", "triton") and on_cuda):
         why = GraphStep.unsupported(model)
         if why is None:
-            return GraphStep(model, compiled=decode == "compiled", triton=decode == "triton")
+            # auto on CUDA: the Triton kernels, the fastest measured (docs/gpu.md); the step as written where they
+            # cannot serve the model or fail to compile
+            return GraphStep(model, compiled=decode == "compiled", triton=decode in ("triton", "auto"))
         log.warning("--decode %s: %s; kvchat's eager step instead", decode, why)
     if decode == "compiled":
         why = CompiledStep.unsupported(model)
