@@ -94,32 +94,40 @@ def _random_ids(cm, n: int, seed: int) -> list[int]:
     return [i for i in ids if i not in special][:n]
 
 
+def timing_compressions(device: str, out: list, count=lambda: 0):
+    """``compress.compress`` timed, the device synchronised around each: (``count()`` at its start, seconds) into
+    ``out``; a context manager."""
+    plain = compress.compress
+
+    def compressing(*args, **kwargs):
+        baselines.sync(device)
+        t = time.perf_counter()
+        try:
+            return plain(*args, **kwargs)
+        finally:
+            baselines.sync(device)
+            out.append((count(), time.perf_counter() - t))
+
+    return mock.patch.object(compress, "compress", compressing)
+
+
 def timed_reply(session: Session, prompt: str, steps: int, device: str) -> dict:
     """One reply of exactly ``steps`` tokens: the wall time between consecutive decode steps (median over those
     without a compression), each compression's time, the TTFT."""
     starts: list[float] = []
     squeezes: list[tuple[int, float]] = []  # (decode steps before it, seconds)
-    plain_forward, plain_compress = session.forward, compress.compress
+    plain_forward = session.forward
 
     def forward(ids, *args, **kwargs):
         if ids.numel() == 1:
             starts.append(time.perf_counter())
         return plain_forward(ids, *args, **kwargs)
 
-    def compressing(*args, **kwargs):
-        baselines.sync(device)
-        t = time.perf_counter()
-        try:
-            return plain_compress(*args, **kwargs)
-        finally:
-            baselines.sync(device)
-            squeezes.append((len(starts), time.perf_counter() - t))
-
     cm = session.model
     stop_ids, cm.stop_ids = cm.stop_ids, frozenset()
     session.forward = forward
     try:
-        with mock.patch.object(compress, "compress", compressing):
+        with timing_compressions(device, squeezes, lambda: len(starts)):
             for _ in session.reply(prompt, max_new_tokens=steps + 1, temperature=0.0):
                 pass
     finally:
@@ -182,12 +190,16 @@ def chat_cell(cm, budget: int, turns: list[int], prompts: list[int], replay_turn
         nxt = session.turn + 1
         if nxt in turns:
             for n in prompts:
-                res = session.chat(_text(cm, n, seed), max_new_tokens=1)
+                squeezes: list = []  # what of the TTFT is compressions (the device synchronised around each)
+                with timing_compressions(device, squeezes):
+                    res = session.chat(_text(cm, n, seed), max_new_tokens=1)
                 ttft.append({"turn": session.turn, "prompt_tokens": res.prompt_tokens, "ttft_ms": res.prefill_ms,
                              "recalled_tokens": res.recalled_tokens, "recall_ms": res.recall_ms,
+                             "compressions": len(squeezes), "compress_ms": 1000 * sum(s for _, s in squeezes),
                              "history_tokens": session.total_tokens})
                 log(f"speed-cuda {cm.name} TTFT turn {session.turn}: {res.prompt_tokens}-token message "
-                    f"{res.prefill_ms:.1f} ms")
+                    f"{res.prefill_ms:.1f} ms (recall {res.recall_ms or 0:.1f}, {len(squeezes)} compressions "
+                    f"{ttft[-1]['compress_ms']:.1f})")
             continue
         watched = device == "cuda" and (nxt in (100, replay_turns) or nxt % 250 == 0)
         if watched:
@@ -365,6 +377,8 @@ def markdown(res: dict) -> str:
         if chat:
             lines += ["", "TTFT: " + "; ".join(f"turn {t['turn']}, {t['prompt_tokens']} tokens: {t['ttft_ms']:.1f} ms"
                                                + (f" (recall {t['recall_ms']:.1f})" if t.get("recall_ms") else "")
+                                               + (f" ({t['compressions']} compressions: {t['compress_ms']:.1f} ms)"
+                                                  if t.get("compressions") else "")
                                                for t in chat["ttft"]),
                       "Peak GPU memory of a chat turn above the weights (allocated before the chat): " +
                       ", ".join(f"turn {k}: {v - chat.get('base_mb', 0):.0f} MiB" for k, v in chat["peak_mb"].items())]

@@ -169,6 +169,8 @@ def test_gpu_speed_bench_runs_its_whole_grid_on_a_tiny_model(default_dir, tmp_pa
     assert rows[3]["ms_per_token"] > 0 and "error" not in rows[3]
     ttft = run.rows["shapes"]["tiny"]["chat"]["ttft"]
     assert [t["turn"] for t in ttft] == [3, 4] and all(t["ttft_ms"] > 0 for t in ttft)
+    # what of a TTFT is compressions: the 40-token message at turn 4 makes room in a full cache
+    assert ttft[1]["compressions"] >= 1 and 0 < ttft[1]["compress_ms"] < ttft[1]["ttft_ms"]
     assert "error" not in run.rows["shapes"]["tiny"]["chat"]
     assert all(c["ok"] for c in run.checks)
     report = speed_cuda.markdown(run.result())
