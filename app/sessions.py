@@ -122,6 +122,13 @@ class SessionManager:
             self.moved.discard(key)
             return self.entries[key]
 
+    def recover(self, key: str) -> Entry:
+        """The tab's session after its turn failed midway: reopened at its last saved turn (``Session.reopened``)."""
+        with self._lock:
+            entry = self.entries[key]
+            entry.session = entry.session.reopened()
+            return entry
+
     def release(self, key: str) -> None:
         """The tab closed: free its session (every completed turn, cache included, is already stored)."""
         with self._lock:

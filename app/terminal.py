@@ -148,6 +148,11 @@ def cmd_chat(args) -> int:
                 print("\nkvchat: interrupted; the reply in progress is not saved (every turn before it is)",
                       file=sys.stderr)
                 raise
+            except Exception as exc:  # noqa: BLE001 — a model step raised (out of GPU memory, say): the turn is lost
+                session = session.reopened()
+                print(f"\nkvchat: error: the reply failed ({type(exc).__name__}: {exc}); the conversation was "
+                      "reopened at its last saved turn", file=sys.stderr)
+                continue
             if res.stopped == "cancelled":
                 print(" [stopped]", end="")
             print(f"\n  [{res.new_tokens} tokens, {time.perf_counter() - t:.1f} s, cache {res.cache_tokens} "

@@ -10,6 +10,7 @@ and conversation loads queue on the one model.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
@@ -146,7 +147,7 @@ class WebApp(Layout):
         shown = chat_messages(s) + [{"role": "user", "content": text}, {"role": "assistant", "content": "▌"}]
         yield [shown, ""] + keep
         answer, last_chart, t0, n, before = "", 0.0, time.perf_counter(), 0, None
-        failed = None
+        failed = broken = None
         try:
             for delta in gen:
                 if entry.stopping:  # Stop pressed before the reply's first token (the engine starts un-cancelled)
@@ -166,9 +167,21 @@ class WebApp(Layout):
                 yield [before + [{"role": "assistant", "content": answer + " ▌"}], gr.skip(), chart] + [gr.skip()] * 5
         except (*USER_ERRORS, OSError) as exc:  # the turn could not be written (database locked, disk full)
             failed = exc
+        except Exception as exc:  # noqa: BLE001 — a model step raised (out of GPU memory, say): the turn is lost
+            logging.getLogger(__name__).exception("a reply failed")
+            broken = exc
         finally:
             gen.close()  # if the browser went away mid-reply: the partial reply is kept and the turn closed
             entry.busy = entry.stopping = False
+        if broken is not None:  # the session reopened at its last saved turn; the message back in the input
+            entry = self.manager.recover(key)
+            s = entry.session
+            note = (f"the reply failed ({type(broken).__name__}: {str(broken)[:200]}); the conversation was "
+                    f"reopened at its last saved turn, and your message is back in the input")
+            gr.Warning(note)
+            yield [chat_messages(s), text, self._charts(entry), self._head_map(entry), cache_view(s),
+                   self._conversations(entry), _error(note), self._info(key, entry)]
+            return
         if failed is not None:
             text = (f"the reply was not saved: {failed}. It stays in this tab and is saved with the next turn that "
                     "can be")

@@ -366,3 +366,34 @@ def test_ctrl_c_in_the_terminal_chat_stops_the_reply_and_keeps_it(decode, tokeni
     assert [m["role"] for m in messages][-4:] == ["user", "assistant", "user", "assistant"]
     assert messages[-3]["text"] == res.answer and res.answer
     capsys.readouterr()
+
+
+def test_a_reply_that_fails_midway_in_the_terminal_chat_reopens_and_goes_on(model_dir, tmp_path, monkeypatch, capsys):
+    """``kvchat chat``: a model step that raises mid-reply (out of GPU memory, say) is a one-line error, the
+    conversation is reopened at its last saved turn, and the next message is answered and saved; it used to end
+    the program with a traceback."""
+    from kvchat.app.args import build_parser
+    from kvchat.app.terminal import cmd_chat
+    from kvchat.core.engine import sampling
+
+    db = tmp_path / "kv.db"
+    lines = iter(["Hello there", "Tell me about the sea", "And then?", "/quit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    read, reads = sampling.Sampler.read, []
+
+    def read_failing(self):
+        reads.append(1)
+        if len(reads) == 8:  # the second reply's third token
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return read(self)
+
+    monkeypatch.setattr(sampling.Sampler, "read", read_failing)
+    args = build_parser().parse_args(["chat", "--model", str(model_dir), "--db", str(db), "--budget", "48",
+                                      "--window", "8", "--max-new-tokens", "5"])
+    assert cmd_chat(args) == 0
+    err = capsys.readouterr().err
+    assert "kvchat: error: the reply failed (RuntimeError: CUDA out of memory (simulated)); the conversation was " \
+           "reopened at its last saved turn" in err
+    (conv,) = Store(db).conversations()
+    texts = [m["text"] for m in Store(db).messages(conv["id"]) if m["role"] == "user"]
+    assert texts == ["Hello there", "And then?"]

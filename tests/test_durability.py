@@ -90,6 +90,47 @@ def test_a_crash_mid_turn_reopens_the_last_committed_turn(tiny, tmp_path, recall
     assert bool(a.recalled) == (recall == "on")
 
 
+@pytest.mark.parametrize("stored", [True, False])
+def test_a_turn_failing_midway_reopens_at_the_last_saved_turn(tiny, tmp_path, stored, monkeypatch):
+    """A model step that raises midway (out of GPU memory, say) leaves the turn open and the cache apart from the
+    log; ``reopened`` gives the conversation as its last saved turn left it, exactly, with the settings changed
+    since, and the chat goes on as if the failed turn never happened. A first exchange that fails leaves a new
+    conversation with its settings and system prompt."""
+    model = tiny("llama")
+    settings = Settings(policy="h2o", budget=40, window=8, slack=6, recall="on")
+    live = Session(model, settings, system="You are terse.", store=Store(tmp_path / "kv.db"), sampling=GREEDY,
+                   undo=True)
+    turns = TURNS[:3] if stored else []
+    for user, reply in turns:
+        live.exchange(user, reply)
+    twin = Session(model, settings, system="You are terse.", store=Store(tmp_path / "twin.db"), sampling=GREEDY)
+    for user, reply in turns:
+        twin.exchange(user, reply)
+    live.configure(budget=36)
+    twin.configure(budget=36)
+    forward, steps = live.forward, []
+
+    def failing(ids, *args, **kwargs):
+        steps.append(ids.numel())
+        if len(steps) == 4:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return forward(ids, *args, **kwargs)
+
+    live.forward = failing
+    with pytest.raises(RuntimeError, match="simulated"):
+        live.chat("This turn fails in its third decode step, after its prefill compressed the cache")
+    assert live.total_tokens > twin.total_tokens  # the failed turn's tokens: the session is past its saved state
+    again = live.reopened()
+    assert again is not live and again.settings == twin.settings and again.undo_enabled
+    assert again.messages == twin.messages and again.conversation_id == (live.conversation_id if stored else None)
+    if stored:
+        assert again.restored_from == "archive"
+        assert_same_cache(again, twin)
+    a, b = again.chat("Still there?"), twin.chat("Still there?")
+    assert a.answer == b.answer and again.turn == twin.turn
+    assert Store(tmp_path / "kv.db").messages(again.conversation_id)[-1]["text"] == a.answer
+
+
 def test_undo_then_reopen_is_exact(tiny, tmp_path):
     model = tiny("llama")
     store = Store(tmp_path / "kv.db")

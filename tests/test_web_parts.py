@@ -211,3 +211,32 @@ def test_undo_and_retry_the_database_refuses_show_an_error_and_change_nothing(we
     assert "kv-error" in out[6] and "database is locked" in out[6]
     assert chat_messages(session) == shown and web.manager.store.messages(session.conversation_id) == stored
     assert session.can_undo
+
+
+def test_a_reply_that_fails_midway_reopens_the_conversation_and_says_so(web, monkeypatch):
+    """A model step that raises while a reply streams (out of GPU memory, say): a visible error, the message back
+    in the input, the tab's conversation reopened at its last saved turn, and the next message answered as if the
+    failed one was never sent."""
+    request = _Request("a")
+    session = web.manager.entry("a").session
+    _chat(session, turns=2)
+    shown, stored = chat_messages(session), web.manager.store.messages(session.conversation_id)
+    reads = []
+
+    def failing(ids, *args, **kwargs):
+        reads.append(1)
+        if len(reads) == 3:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return type(session).forward(session, ids, *args, **kwargs)
+
+    monkeypatch.setattr(session, "forward", failing)
+    out = list(web.send("Tell me about the kite", request))[-1]
+    assert "kv-error" in out[6] and "RuntimeError: CUDA out of memory (simulated)" in out[6]
+    assert "last saved turn" in out[6] and out[1] == "Tell me about the kite"
+    again = web.manager.get("a").session
+    assert again is not session and again.restored_from == "archive"
+    assert chat_messages(again) == shown and web.manager.store.messages(again.conversation_id) == stored
+    assert out[0] == shown
+    out = list(web.send("Tell me about the kite", request))[-1]
+    assert "kv-error" not in (out[6] or "") and again.history[-1].new_tokens > 0
+    assert len(web.manager.store.messages(again.conversation_id)) == len(stored) + 2

@@ -63,6 +63,25 @@ def resume(cls, model, store, conversation_id: int, exact: bool = True, sampling
     return session
 
 
+def after_failure(session):
+    """The session a turn that failed midway leaves (see ``Session.reopened``)."""
+    if session.store is None:
+        raise ValueError("a conversation without a database cannot be reopened after a failed turn")
+    session.close()
+    model, store, cls = session.model, session.store, type(session)
+    if session.conversation_id is None:  # the first exchange failed: nothing was stored
+        system = session.messages[0]["content"] if session.messages and session.messages[0]["role"] == "system" \
+            else None
+        return cls(model, session.settings, system=system, store=store, sampling=session.sampling, seed=session.seed,
+                   title=session.title, undo=session.undo_enabled)
+    fresh = resume(cls, model, store, session.conversation_id, sampling=session.sampling, undo=session.undo_enabled)
+    live = {f.name: getattr(session.settings, f.name) for f in fields(Settings)
+            if getattr(session.settings, f.name) != getattr(fresh.settings, f.name)}
+    if live:  # settings changed since the last saved turn: changed again, as the person left them
+        fresh.configure(**live)
+    return fresh
+
+
 def _load_state(session) -> bool:
     """Restore the cache exactly from the committed turn's state file; whether it could."""
     files, model = session.files, session.model

@@ -142,6 +142,12 @@ class Session(Feeding, Generation, SessionReads):
             if self.files is not None and (self.files.temporary or self.conversation_id is None):
                 self.files.delete()
 
+    def reopened(self) -> "Session":
+        """After a turn failed midway (a model step that raised, out of GPU memory say, leaves the cache's layers
+        apart and the turn open): this conversation reopened at its last saved turn, as after a crash, with the
+        live settings; a new conversation with its settings where none was saved. This session is closed."""
+        return reopen.after_failure(self)
+
     # -- live settings and undo -------------------------------------------------------------------------------------
     @locked
     def configure(self, **changes: Any) -> dict:
