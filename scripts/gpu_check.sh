@@ -4,7 +4,7 @@
 # writes goes to $OUT: gpu.txt, tests.log, bench.log, bench/results/speed-cuda.json (or .partial.json),
 # bench/RESULTS.md.
 #   TESTS_S: the tests' time limit (0: no tests; the compiled step's tests, the slowest to compile, run last);
-#   TOTAL_S: both parts' (the bench gets what the tests left, seconds);
+#   TOTAL_S: both parts' (the bench gets what the tests left, seconds; none left: no bench);
 #   BENCH_ARGS: more options for the bench.
 set -uo pipefail
 OUT=${OUT:-/tmp/kvchat-gpu}
@@ -24,6 +24,7 @@ if [ "${TESTS_S:-180}" -gt 0 ]; then
 fi
 LEFT=$(( ${TOTAL_S:-550} - (SECONDS - START) ))
 echo "gpu_check: ${LEFT} s left for the bench"
+[ "$LEFT" -gt 0 ] || exit 0  # a tests-only call (TOTAL_S no more than TESTS_S); timeout 0 would mean no limit
 timeout "$LEFT" python3 -m kvchat.app.cli bench speed --device cuda --out "$OUT/bench" ${BENCH_ARGS:-} \
     2>&1 | tee "$OUT/bench.log" | grep -E "^(speed-cuda|sanity|kvchat)|Error|error"
 [ -f "$OUT/bench/RESULTS.md" ] && sed -n '/## Speed on a GPU/,$p' "$OUT/bench/RESULTS.md"
