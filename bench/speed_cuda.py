@@ -144,7 +144,8 @@ def timed_reply(session: Session, prompt: str, steps: int, device: str) -> dict:
             "kv_bytes": session.cache.kv_bytes}
 
 
-def policy_cell(cm, policy: str, budget: int, steps: int, device: str, profile: bool = False) -> dict:
+def policy_cell(cm, policy: str, budget: int, steps: int, device: str, profile: bool = False,
+                squeeze: bool = False) -> dict:
     settings = Settings(policy=policy, budget=budget) if POLICIES[policy].bounded else Settings(policy="full")
     slack = Settings(budget=budget).slack_tokens
     history = budget + slack - 64
@@ -168,6 +169,8 @@ def policy_cell(cm, policy: str, budget: int, steps: int, device: str, profile: 
             out["graph_ms"] = replay
     if profile and before is not None:  # what a step's time goes to: its kernels, and the gaps between them
         out["kernels"] = kernels.profile_step(step, session.cache, len(step.layers))
+    if squeeze and POLICIES[policy].bounded:  # what a compression's time goes to (it compresses the session)
+        out["compress_profile"] = kernels.profile_compression(session, budget)
     squeezes = out["compress_ms"]
     out["compress_ms_per_token"] = statistics.mean(squeezes) / slack if squeezes else 0.0
     session.close()
@@ -222,7 +225,7 @@ def grid(args, cm, name: str, entry: dict, budget: int, gbs: float, device: str,
             continue  # the full cache does not depend on the budget
         try:
             profile = p == "streaming" and budget == args.budgets[0]
-            row = policy_cell(cm, p, budget, args.steps, device, profile=profile)
+            row = policy_cell(cm, p, budget, args.steps, device, profile, references and budget == args.budgets[0])
         except Exception as exc:  # noqa: BLE001 — one failing policy is reported; the others are still measured
             rows.append({"policy": p, "budget": budget, "step": variant, "error": _failure(exc)})
             log(f"speed-cuda {name} {variant} budget {budget} {p}: failed ({rows[-1]['error']})")
@@ -366,6 +369,8 @@ def markdown(res: dict) -> str:
                          if "roofline_ratio" in r else
                          f"| {r['budget']} | {label} | {ms:.3f} | {1000 / ms:.0f} | | | | |")
         profiled = [kernels.line(name, _label(r), r) for r in entry["rows"] if r.get("kernels")]
+        profiled += [kernels.compression_line(name, _label(r), r["compress_profile"]) for r in entry["rows"]
+                     if r.get("compress_profile")]
         lines += [""] + profiled if profiled else []
         compiles = [c for r in entry["rows"] if r.get("step") == "compiled" for c in r.get("capture_ms", [])]
         notes = [f"Compiled step: captures (compiling included) {min(compiles) / 1e3:.1f}-{max(compiles) / 1e3:.1f} s"

@@ -4,13 +4,18 @@ from PyTorch's profiler, against the replay's time.
 The first GPU run found the step ~100 µs a layer over the bytes it reads and put it down to many small kernels
 (docs/gpu.md): this says how many kernels a step launches, how long they run, and how much of a replay is neither
 (the gaps between them). On a GPU it profiles replays of the captured graph, or where the profiler sees no kernels
-inside one, the same step run uncaptured (``source`` says which); on the CPU (the tests) the step's operators."""
+inside one, the same step run uncaptured (``source`` says which); on the CPU (the tests) the step's operators.
+``profile_compression`` does the same for one compression, whose 14-95 ms on an H100 the operations it launches do
+not explain: its kernels' device time against its wall time, and the host's waits for the device."""
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 
 import torch
+
+from ..core.cache import compress
 
 from .speed_cuda_baselines import sync
 
@@ -92,3 +97,45 @@ def line(name: str, label: str, row: dict) -> str:
     top = ", ".join(f"{k['name'][:40]} {k['us']:.0f} µs ×{k['per_step']:.0f}" for k in prof["top"][:5])
     return (f"{name} {label} ({prof['source']}): {prof['kernels']:.0f} kernels a step "
             f"({prof['kernels_per_layer']:.1f} a layer), {prof['kernel_us']:.0f} µs of them{gap}; the longest: {top}.")
+
+
+WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense")
+
+
+def profile_compression(session, budget: int) -> dict:
+    """One compression of ``session``'s cache to ``budget`` under PyTorch's profiler, host and device: its wall time,
+    its kernels (count, device time), the host's waits for the device (``WAITS``) and the host operators that took
+    longest (their own time) — whether a compression is bound by the device, by waits, or by the host's Python.
+    It compresses the session: for benches, after a reply."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = session.model.device.type
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    sync(device)
+    with torch.no_grad(), profile(activities=activities) as prof:
+        t = time.perf_counter()
+        compress.compress(session, budget, "bench")
+        sync(device)
+        wall = time.perf_counter() - t
+    kernels = _kernels(prof, True) if device == "cuda" else {}
+    host = defaultdict(lambda: [0, 0.0])
+    waits = 0
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CPU:
+            waits += e.count if e.key in WAITS else 0
+            if e.key.startswith("aten::") and e.self_cpu_time_total > 0:
+                host[e.key][0] += e.count
+                host[e.key][1] += e.self_cpu_time_total
+    top = sorted(host.items(), key=lambda kv: -kv[1][1])[:TOP]
+    return {"wall_ms": 1000 * wall, "kernels": sum(n for n, _ in kernels.values()),
+            "kernel_us": sum(t for _, t in kernels.values()), "waits": waits,
+            "host_ops": sum(n for n, _ in host.values()), "host_us": sum(t for _, t in host.values()),
+            "top_host": [{"name": k, "count": n, "us": t} for k, (n, t) in top]}
+
+
+def compression_line(name: str, label: str, prof: dict) -> str:
+    """One line of the report for a row's ``compress_profile``."""
+    top = ", ".join(f"{k['name'][6:]} {k['us']:.0f} µs ×{k['count']}" for k in prof["top_host"][:5])
+    return (f"{name} {label}: a compression {prof['wall_ms']:.1f} ms, {prof['kernels']} kernels "
+            f"{prof['kernel_us'] / 1000:.2f} ms on the device, {prof['waits']} waits for it, {prof['host_ops']} host "
+            f"operators {prof['host_us'] / 1000:.2f} ms of their own; the longest: {top}.")
