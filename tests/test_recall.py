@@ -421,11 +421,13 @@ def test_int8_digests_score_as_the_fp16_ones(monkeypatch):
 def test_bf16_scoring_multiplies_a_few_shapes_and_gives_the_plain_products(monkeypatch):
     """The CPU's bf16 products keep a kernel for every shape they see (never freed: a long chat grew ~20 KB a turn):
     scoring pads the query rows and the groups to a few sizes. Over 300 messages of random sizes the products take
-    at most a few dozen shapes, each padded by at most half, and give what the plain product gives."""
+    at most a few dozen shapes, each padded by at most half, and give what the plain product gives: bit for bit
+    where the CPU's kernels sum alike for both shapes, within a bf16 rounding where not (a CPU with AMX: one product
+    in 300 apart, by 1.9e-6)."""
     from kvchat.core.recall import score
 
     gen = torch.Generator().manual_seed(5)
-    plain, shapes = torch.bmm, set()
+    plain, shapes, exact = torch.bmm, set(), 0
 
     def bmm(a, b, *args, **kwargs):
         shapes.add((a.shape[1], b.shape[2]))
@@ -435,9 +437,10 @@ def test_bf16_scoring_multiplies_a_few_shapes_and_gives_the_plain_products(monke
     for _ in range(300):
         m, n = int(torch.randint(1, 193, (1,), generator=gen)), int(torch.randint(1, 3001, (1,), generator=gen))
         q, k = torch.randn(2, m, 8, generator=gen).bfloat16(), torch.randn(2, n, 8, generator=gen).bfloat16()
-        out = score._bf16_scores(q, k)
-        assert torch.equal(out, plain(q, k.transpose(1, 2)))
-    assert len(shapes) <= 3 * 20
+        out, ref = score._bf16_scores(q, k), plain(q, k.transpose(1, 2))
+        torch.testing.assert_close(out, ref, rtol=2**-7, atol=1e-5)  # rows or groups dropped are far apart
+        exact += torch.equal(out, ref)
+    assert len(shapes) <= 3 * 20 and exact >= 290
     assert all(mp <= 192 and np_ <= 3000 * 3 // 2 + 64 for mp, np_ in shapes)
 
 
