@@ -91,7 +91,7 @@ def test_a_crash_mid_turn_reopens_the_last_committed_turn(tiny, tmp_path, recall
 
 
 @pytest.mark.parametrize("stored", [True, False])
-def test_a_turn_failing_midway_reopens_at_the_last_saved_turn(tiny, tmp_path, stored, monkeypatch):
+def test_a_turn_failing_midway_reopens_at_the_last_saved_turn(tiny, tmp_path, stored):
     """A model step that raises midway (out of GPU memory, say) leaves the turn open and the cache apart from the
     log; ``reopened`` gives the conversation as its last saved turn left it, exactly, with the settings changed
     since, and the chat goes on as if the failed turn never happened. A first exchange that fails leaves a new
@@ -108,17 +108,17 @@ def test_a_turn_failing_midway_reopens_at_the_last_saved_turn(tiny, tmp_path, st
         twin.exchange(user, reply)
     live.configure(budget=36)
     twin.configure(budget=36)
-    forward, steps = live.forward, []
+    forward, calls = live.forward, []
 
     def failing(ids, *args, **kwargs):
-        steps.append(ids.numel())
-        if len(steps) == 4:
+        calls.append(ids.numel())
+        if len(calls) == 4:
             raise RuntimeError("CUDA out of memory (simulated)")
         return forward(ids, *args, **kwargs)
 
     live.forward = failing
     with pytest.raises(RuntimeError, match="simulated"):
-        live.chat("This turn fails in its third decode step, after its prefill compressed the cache")
+        live.chat("This turn fails in its fourth forward, after its message was read")
     assert live.total_tokens > twin.total_tokens  # the failed turn's tokens: the session is past its saved state
     again = live.reopened()
     assert again is not live and again.settings == twin.settings and again.undo_enabled
