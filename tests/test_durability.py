@@ -108,17 +108,17 @@ def test_a_turn_failing_midway_reopens_at_the_last_saved_turn(tiny, tmp_path, st
         twin.exchange(user, reply)
     live.configure(budget=36)
     twin.configure(budget=36)
-    forward, calls = live.forward, []
+    forward, steps = live.forward, []
 
     def failing(ids, *args, **kwargs):
-        calls.append(ids.numel())
-        if len(calls) == 4:
+        steps.extend([1] if ids.numel() == 1 else [])
+        if len(steps) == 3:
             raise RuntimeError("CUDA out of memory (simulated)")
         return forward(ids, *args, **kwargs)
 
     live.forward = failing
     with pytest.raises(RuntimeError, match="simulated"):
-        live.chat("This turn fails in its fourth forward, after its message was read")
+        live.chat("This turn fails in its third decode step, after its message was read")
     assert live.total_tokens > twin.total_tokens  # the failed turn's tokens: the session is past its saved state
     again = live.reopened()
     assert again is not live and again.settings == twin.settings and again.undo_enabled
