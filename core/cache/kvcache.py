@@ -49,7 +49,8 @@ class KVCache(Cache):
         self.keeps_computed = keeps_computed
         #: Called with the cache before a compression drops any slot (recall's digests take the keys they need).
         self.on_compress: list = []
-        self._first: slab.Slab | None = None  # the slab the next layers' first buffers come from (``first_buffers``)
+        # the slab the next layers' first buffers come from, the index of its first layer, their capacities and spec
+        self._first: tuple[slab.Slab, int, list[int], dict] | None = None
         super().__init__(layers=[KVLayer(self, i) for i in range(num_layers)])
 
     def initial_capacity(self, needed: int) -> int:
@@ -57,23 +58,25 @@ class KVCache(Cache):
             return self.capacity
         return min(max(256, needed), self.max_capacity)
 
-    def first_buffers(self, layer: KVLayer, caps: list[int]) -> slab.Slab | None:
-        """The slab a layer's first buffers are views of where the capacity is fixed: one allocated for it and the
-        layers after it (as many as ``slab.SLAB_BYTES`` holds; a model's layers are alike), so that compressions move
-        them together from the first, in place. None where the layer allocates its own (a growing cache, a layer
-        unlike the one the slab was made for)."""
+    def first_buffers(self, layer: KVLayer, caps: list[int]) -> tuple[slab.Slab, int] | None:
+        """The slab a layer's first buffers are views of where the capacity is fixed, and the layer's place in it: one
+        allocated for it and the layers after it (as many as ``slab.SLAB_BYTES`` holds; a model's layers are alike),
+        so that compressions move them together from the first, in place. None where the layer allocates its own (a
+        growing cache)."""
         if self.capacity is None:
             return None
-        spec, first = layer.slot_spec(), self._first
-        if first is not None and first.first_layer <= layer.index < first.first_layer + len(first.starts) \
-                and first.spec == spec and first.caps[layer.index - first.first_layer] == caps \
-                and first.device == layer.device:
-            if layer.index == first.first_layer + len(first.starts) - 1:
-                self._first = None  # the last layer it was made for: the layers' views hold it from now on
-            return first
+        spec = layer.slot_spec()
+        if self._first is not None:
+            first, start, first_caps, first_spec = self._first
+            place = layer.index - start
+            if 0 <= place < len(first.starts) and (first_caps, first_spec) == (caps, spec) \
+                    and first.bases["keys"].device == layer.device:
+                if place == len(first.starts) - 1:
+                    self._first = None  # the last layer it was made for: the layers' views hold it from now on
+                return first, place
         size = sum(caps) * slab.slot_bytes(spec)
         count = max(1, min(len(self.layers) - layer.index, slab.SLAB_BYTES // max(1, size)))
-        self._first = slab.Slab([list(caps)] * count, spec, layer.device, first_layer=layer.index)
+        self._first = slab.Slab([list(caps)] * count, spec, layer.device), layer.index, list(caps), spec
         return self.first_buffers(layer, caps)
 
     def grown_capacity(self, needed: int, current: int) -> int:

@@ -70,7 +70,8 @@ class KVLayer(CacheLayerMixin):
         if first is None:
             self._allocate(caps)
         else:
-            self.adopt(caps, first.views(self.index - first.first_layer, sum(caps)), first)
+            shared, place = first
+            self.adopt(caps, shared.views(place, sum(caps)), shared)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:

@@ -26,9 +26,7 @@ class Slab:
     """Consecutive layers' per-slot tensors: ``bases[name]`` holds every layer's rows, layer ``i``'s from
     ``starts[i]``; ``spec``: name -> (dtype, shape of a row, the value of an empty slot)."""
 
-    def __init__(self, caps: list[list[int]], spec: dict[str, tuple], device, first_layer: int = 0):
-        self.first_layer = first_layer  # the index of the layer at ``starts[0]`` (for a cache's first buffers)
-        self.caps, self.spec, self.device = caps, spec, device
+    def __init__(self, caps: list[list[int]], spec: dict[str, tuple], device):
         sizes = [sum(c) for c in caps]
         self.starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()
         self.size = sum(sizes)

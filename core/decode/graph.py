@@ -116,7 +116,7 @@ class GraphStep(DecodeStep):
         self.asked = "compiled" if compiled else "triton" if self.triton else "graph"  # kept where it falls back
         why = graph_triton.unsupported(self.weights, self.final, self.head_dim, self.device) if self.triton else None
         if why is not None:
-            log.warning("--decode triton: %s; the graph step in PyTorch's operators", why)
+            log.warning("Triton's kernels (--decode triton; auto on CUDA): %s; the step in PyTorch's operators", why)
             self.triton, self.compile_error = False, why
         if compiled:  # a function of its own: dynamo keeps compiled graphs (and their limit) per code object
             own = types.FunctionType(_layer.__code__.replace(), _layer.__globals__, _layer.__name__)
