@@ -466,6 +466,39 @@ def test_coarse_keys_kept_in_memory_follow_the_store_through_adds_and_undo(tiny,
     assert torch.equal(digests.read()[2], stored()) and digests.read()[2].shape[2] == digests.count
 
 
+def test_a_read_taken_back_keeps_the_coarse_keys_in_memory(tiny, tmp_path, monkeypatch):
+    """Recall takes a read back (a ``Checkpoint`` restore: the digests' window rewound to where it was) whenever it
+    declines what it brought: the coarse keys are not read from the store again, every one of them, each time; a
+    window whose start moved (segments forgotten since) is read again."""
+    from kvchat.core.engine.checkpoint import Checkpoint
+    from kvchat.storage.digests import DigestStore
+
+    session = Session(tiny("llama"), _settings(), store=Store(tmp_path / "r.db"), sampling=GREEDY)
+    _chat(session, rounds=1)
+    digests = session.digests
+    loaded = digests.read()[2].clone()
+    reads = []
+    plain = DigestStore.field
+    monkeypatch.setattr(DigestStore, "field", lambda self, name, *a: reads.append(name) or plain(self, name, *a))
+    Checkpoint.capture(session).restore(session)
+    assert torch.equal(digests.read()[2], loaded) and "coarse" not in reads
+    before = Checkpoint.capture(session)
+    digests.store.first += 1  # the window's start moved after the copy (as when a turn forgets a segment)
+    before.restore(session)
+    assert torch.equal(digests.read()[2], loaded)
+    assert "coarse" in reads
+    # a turn taken back and another in its place, with other groups: what memory holds of the first is not reused
+    before = Checkpoint.capture(session)
+    session.exchange("One. Two. Three. Four.", "Five. Six.")
+    digests.has_content(digests.read()[0], session.log, session.model.scaffolding_ids())
+    before.restore(session)
+    session.add("user", "Alpha and beta. Gamma and delta.")  # no recall (no answer): memory's flags not renewed
+    spans = digests.read()[0]
+    content = ~torch.isin(session.log.column("token").long(), session.model.scaffolding_ids())
+    fresh = torch.tensor([bool(content[a:b].any()) for a, b in spans.tolist()])
+    assert torch.equal(digests.has_content(spans, session.log, session.model.scaffolding_ids()), fresh)
+
+
 def test_group_shares_and_content_follow_the_chat_through_undo(tiny, tmp_path):
     """What ``choose`` reads per group: the share of its slots the cache holds (counted from the cache's slots)
     equals the mean over its positions of the held fraction, and whether it holds more than scaffolding (kept in

@@ -244,12 +244,17 @@ class Digests:
         self._reload()
 
     def rewind(self, first: int, end: int, covered: int) -> None:
-        """Back to an earlier window in memory (an undone turn; the files are cut when a turn commits over them, or
-        when the conversation reopens)."""
+        """Back to an earlier window in memory (an undone turn, a read recall takes back; the files are cut when a
+        turn commits over them, or when the conversation reopens). The coarse keys stay in memory unless the
+        window's start moved: a declined recall, every few messages, would read them all again."""
+        start = self.store.first
         self.store.rewind(first, end)
         self.covered = covered if self.store.end == end else self._last_end()
         self.stage = Stage(self.layers)
-        self._reload()
+        if self.store.first != start:
+            self._reload()
+        else:  # the live groups kept are the same records from the same start: what memory holds of them stays
+            self._content = self._content[: self.count]  # (the coarse keys past ``count`` are written over)
 
     def truncate(self, n: int) -> None:
         """Forget what was staged for positions ``n`` and later (a read undone before its turn closed)."""
