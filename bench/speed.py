@@ -39,7 +39,7 @@ from ..core.engine.session import Sampling, Session
 from ..core.engine.settings import Settings
 from ..policies import POLICIES
 from .common import Run, data_dir, fastchat_pairs, log, read_text
-from .speed_cuda import SHAPES
+from . import speed_cuda
 from .speed_report import EAGER, TRANSFORMERS, markdown, plot  # noqa: F401  (the report's: bench/report.py)
 
 NAME = "speed"
@@ -63,25 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="turns of a chat (FastChat exchanges, streaming at --budget) at which TTFT is measured")
     p.add_argument("--ttft-prompts", type=int, nargs="+", default=[30, 500], help="user message sizes for TTFT")
     p.add_argument("--data", default=None, help="the shared data directory (default ../shared/data)")
-    g = p.add_argument_group("on a GPU (--device cuda: bench/speed_cuda.py)")
-    g.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="cpu: this bench on the loaded model; cuda: random-weight models of --shapes on the GPU")
-    g.add_argument("--shapes", nargs="+", default=["llama-1b", "llama-8b"], choices=tuple(SHAPES),
-                   help="model shapes built from configs with random bf16 weights (unless --model PATH)")
-    g.add_argument("--budgets", type=int, nargs="+", default=[1024, 4096])
-    g.add_argument("--tokenizer", default=None,
-                   help="a folder with a tokenizer and chat template (default: $KVCHAT_TOKENIZER, else the default "
-                        "model's)")
-    g.add_argument("--compiled-reference", action=argparse.BooleanOptionalAction, default=True,
-                   help="also time transformers with a static cache and torch.compile, at the first budget "
-                        "(compiling takes a minute)")
-    g.add_argument("--graph-variants", nargs="+", default=["triton", "graph", "compiled"],
-                   choices=("graph", "compiled", "triton", "graph-sync"),
-                   help="graph steps measured in turn on one model: in kvchat's Triton kernels (auto's on CUDA), as "
-                        "written (graph), its layers compiled (compiled), as written fed each token once the host "
-                        "has read it (graph-sync: what running ahead buys)")
-    g.add_argument("--replay-turns", type=int, default=2000,
-                   help="turns of the TTFT chat, whose peak GPU memory is compared at turn 100 and at the last")
+    speed_cuda.add_arguments(p.add_argument_group("on a GPU (--device cuda: bench/speed_cuda.py)"))
 
 
 def bandwidth_gbs(mb: int = 256, repeats: int = 5) -> float:

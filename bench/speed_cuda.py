@@ -25,25 +25,24 @@ for ``--steps`` new tokens less the time for one), and a static cache with the f
 (``mode="reduce-overhead"``: CUDA graphs) in a loop of its own, ``torch.compiler.cudagraph_mark_step_begin()``
 before each step and the token cloned out of the graph. TTFT: messages of ``--ttft-prompts`` tokens at turns
 ``--ttft-turns`` of a chat (``streaming``, the first budget, recall as the defaults have it, its re-ranking with
-them: ``recall_ms`` is recall's part), whose replies are generated (8 tokens each); the peak GPU memory of its
-turns 100, every 250th and ``--replay-turns`` (the first shape's chat). The compiled reference runs at the first
-budget only (a new cache length compiles again, a minute or more).
+them: ``recall_ms`` is recall's part), whose replies are generated (8 tokens each); the peak GPU memory, disk and
+time of its turns 100, every 250th and ``--replay-turns`` (the first shape's chat; stored, and continued from
+``--chat-store`` by a run after one stopped early: bench/speed_cuda_chat.py). The compiled reference runs at the
+first budget only (a new cache length compiles again, a minute or more).
 """
 
 from __future__ import annotations
 
-import gc
+import argparse
 import json
 import os
 import statistics
 import time
 import traceback
 from pathlib import Path
-from unittest import mock
 
 import torch
 
-from ..core.cache import compress
 from ..core.decode.graph import GraphStep
 from ..core.engine.session import Sampling, Session
 from ..core.engine.settings import Settings
@@ -52,6 +51,7 @@ from ..policies import POLICIES
 from . import speed_cuda_baselines as baselines
 from . import speed_cuda_kernels as kernels
 from .common import Run, log
+from .speed_cuda_chat import above_base, chat_cell, random_ids, stored_chat, text, timing_compressions
 
 NAME = "speed-cuda"
 TITLE = "Speed on a GPU"
@@ -65,7 +65,32 @@ SHAPES = {  # Llama-3.2-1B-like and Llama-3-8B as the issue sets them; tiny: the
                  intermediate_size=128, vocab_size=49152),
 }
 GPU_DEFAULTS = {"steps": 256, "ttft_turns": [10, 500], "ttft_prompts": [30, 2000]}
-CHAT_REPLY = 8  # tokens generated per turn of the TTFT chat
+
+
+def add_arguments(g) -> None:
+    """The options of a GPU run (``kvchat bench speed``'s group for them)."""
+    g.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="cpu: this bench on the loaded model; cuda: random-weight models of --shapes on the GPU")
+    g.add_argument("--shapes", nargs="+", default=["llama-1b", "llama-8b"], choices=tuple(SHAPES),
+                   help="model shapes built from configs with random bf16 weights (unless --model PATH)")
+    g.add_argument("--budgets", type=int, nargs="+", default=[1024, 4096])
+    g.add_argument("--tokenizer", default=None,
+                   help="a folder with a tokenizer and chat template (default: $KVCHAT_TOKENIZER, else the default "
+                        "model's)")
+    g.add_argument("--compiled-reference", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time transformers with a static cache and torch.compile, at the first budget "
+                        "(compiling takes a minute)")
+    g.add_argument("--graph-variants", nargs="+", default=["triton", "graph", "compiled"],
+                   choices=("graph", "compiled", "triton", "graph-sync"),
+                   help="graph steps measured in turn on one model: in kvchat's Triton kernels (auto's on CUDA), as "
+                        "written (graph), its layers compiled (compiled), as written fed each token once the host "
+                        "has read it (graph-sync: what running ahead buys)")
+    g.add_argument("--replay-turns", type=int, default=2000,
+                   help="turns of the TTFT chat, whose peak GPU memory is compared at turn 100 and at the last")
+    g.add_argument("--chat-store", default=None, metavar="DIR",
+                   help="keep the chat stored in DIR, and continue the one found there (a run stopped early)")
+    g.add_argument("--grid", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure the decode grid and the references (--no-grid: only the chat, e.g. to continue one)")
 
 
 def build(shape: str, tokenizer_dir: str, device: str, decode: str) -> ChatModel:
@@ -80,35 +105,6 @@ def build(shape: str, tokenizer_dir: str, device: str, decode: str) -> ChatModel
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     return ChatModel.from_pretrained_model(model, tokenizer, name=shape, decode=decode)
-
-
-def _text(cm, n: int, seed: int) -> str:
-    """A user message of ``n`` random tokens (less what the engine refuses in a message: NUL characters)."""
-    return cm.tokenizer.decode(_random_ids(cm, n, seed)).replace("\x00", "")
-
-
-def _random_ids(cm, n: int, seed: int) -> list[int]:
-    special = set(getattr(cm.tokenizer, "all_special_ids", []))
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(100, min(len(cm.tokenizer), cm.model.config.vocab_size), (n * 2,), generator=gen).tolist()
-    return [i for i in ids if i not in special][:n]
-
-
-def timing_compressions(device: str, out: list, count=lambda: 0):
-    """``compress.compress`` timed, the device synchronised around each: (``count()`` at its start, seconds) into
-    ``out``; a context manager."""
-    plain = compress.compress
-
-    def compressing(*args, **kwargs):
-        baselines.sync(device)
-        t = time.perf_counter()
-        try:
-            return plain(*args, **kwargs)
-        finally:
-            baselines.sync(device)
-            out.append((count(), time.perf_counter() - t))
-
-    return mock.patch.object(compress, "compress", compressing)
 
 
 def timed_reply(session: Session, prompt: str, steps: int, device: str) -> dict:
@@ -150,13 +146,13 @@ def policy_cell(cm, policy: str, budget: int, steps: int, device: str, profile: 
     slack = Settings(budget=budget).slack_tokens
     history = budget + slack - 64
     session = Session(cm, settings, system=None, sampling=Sampling(temperature=0.0))
-    session.feed_raw(_random_ids(cm, history, 1), score=False)
+    session.feed_raw(random_ids(cm, history, 1), score=False)
     step = cm.step
     before = (step.captures, step.replays, step.eager_calls, len(step.capture_ms)) if isinstance(step, GraphStep) \
         else None
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    out = timed_reply(session, _text(cm, 24, 2), steps, device)
+    out = timed_reply(session, text(cm, 24, 2), steps, device)
     out.update(policy=policy, budget=budget if POLICIES[policy].bounded else None, history=history, slack=slack)
     if before is not None:
         out.update(captures=step.captures - before[0], replays=step.replays - before[1],
@@ -175,45 +171,6 @@ def policy_cell(cm, policy: str, budget: int, steps: int, device: str, profile: 
     out["compress_ms_per_token"] = statistics.mean(squeezes) / slack if squeezes else 0.0
     session.close()
     return out
-
-
-def chat_cell(cm, budget: int, turns: list[int], prompts: list[int], replay_turns: int, device: str,
-              out: dict, saved=lambda: None) -> None:
-    """TTFT at turns ``turns`` of a generated chat, and the peak GPU memory of turn 100, every 250th turn and turn
-    ``replay_turns``, into ``out`` as they are measured (``saved()`` every 250 turns: a run stopped early keeps what it
-    measured, the memory's trend included)."""
-    session = Session(cm, Settings(policy="streaming", budget=budget), sampling=Sampling(temperature=0.0))
-    ttft, peaks = out.setdefault("ttft", []), out.setdefault("peak_mb", {})
-    gc.collect()  # the grids' steps and sessions freed now, not during the chat (seen: turn 100 below the base)
-    out["base_mb"] = torch.cuda.memory_allocated() / 2**20 if device == "cuda" else 0.0  # weights, other models
-    last = max(max(turns), replay_turns)
-    seed = 10
-    while session.turn < last:
-        seed += 1
-        nxt = session.turn + 1
-        if nxt in turns:
-            for n in prompts:
-                squeezes: list = []  # what of the TTFT is compressions (the device synchronised around each)
-                with timing_compressions(device, squeezes):
-                    res = session.chat(_text(cm, n, seed), max_new_tokens=1)
-                ttft.append({"turn": session.turn, "prompt_tokens": res.prompt_tokens, "ttft_ms": res.prefill_ms,
-                             "recalled_tokens": res.recalled_tokens, "recall_ms": res.recall_ms,
-                             "compressions": len(squeezes), "compress_ms": 1000 * sum(s for _, s in squeezes),
-                             "history_tokens": session.total_tokens})
-                log(f"speed-cuda {cm.name} TTFT turn {session.turn}: {res.prompt_tokens}-token message "
-                    f"{res.prefill_ms:.1f} ms (recall {res.recall_ms or 0:.1f}, {len(squeezes)} compressions "
-                    f"{ttft[-1]['compress_ms']:.1f})")
-            continue
-        watched = device == "cuda" and (nxt in (100, replay_turns) or nxt % 250 == 0)
-        if watched:
-            torch.cuda.reset_peak_memory_stats()
-        session.chat(_text(cm, 24, seed), max_new_tokens=CHAT_REPLY)
-        if watched:
-            peaks[nxt] = torch.cuda.max_memory_allocated() / 2**20
-        out.update(turns=session.turn, tokens=session.total_tokens)
-        if session.turn % 250 == 0:
-            log(f"speed-cuda {cm.name} chat: turn {session.turn}, {session.total_tokens} tokens"), saved()
-    session.close()
 
 
 def grid(args, cm, name: str, entry: dict, budget: int, gbs: float, device: str, references: bool = True) -> None:
@@ -239,7 +196,7 @@ def grid(args, cm, name: str, entry: dict, budget: int, gbs: float, device: str,
             f"peak {row.get('peak_mb', 0):.0f} MiB")
     if not references:
         return
-    context = _random_ids(cm, budget + Settings(budget=budget).slack_tokens - 64, 1)
+    context = random_ids(cm, budget + Settings(budget=budget).slack_tokens - 64, 1)
     baseline = [("transformers", baselines.generate_ms)]
     if args.compiled_reference and budget == args.budgets[0]:  # compiling again for each cache length: a minute each
         baseline.append(("transformers-compiled", baselines.compiled_ms))
@@ -286,6 +243,8 @@ def run(args, run: Run, cm=None) -> None:
                 else "cpu"}
     log(f"speed-cuda: device {run.rows['device']}, copy bandwidth {gbs:.0f} GB/s")
     models = [(args.model, None)] if args.model != "default" else [(None, s) for s in args.shapes]
+    if args.chat_store:  # a chat it cannot continue is refused now, not after the grids
+        stored_chat(args.chat_store, str(models[0][0] or models[0][1]), args.budgets[0])
     tokenizer = args.tokenizer or os.environ.get("KVCHAT_TOKENIZER") or str(default_model_dir())
     out = getattr(args, "out", None)
     partial = Path(out) / "results" / f"{NAME}.partial.json" if out else None  # bench/cli.py writes the whole
@@ -297,7 +256,8 @@ def run(args, run: Run, cm=None) -> None:
         weights, first[name] = baselines.weight_bytes(cm.model), cm.step
         entry = run.rows["shapes"][name] = {"weight_bytes": weights, "rows": [], "step": type(cm.step).__name__}
         log(f"speed-cuda {name}: {weights / 2**30:.2f} GiB of weights per step, decode step {entry['step']}")
-    for i, variant in enumerate(args.graph_variants):  # each over every shape: a call stopped early keeps the first
+    variants = args.graph_variants if args.grid else []
+    for i, variant in enumerate(variants):  # each over every shape: a call stopped early keeps the first
         for name, cm in built.items():
             if not isinstance(first[name], GraphStep) and i > 0:
                 continue
@@ -315,7 +275,7 @@ def run(args, run: Run, cm=None) -> None:
             chat = run.rows["shapes"][name]["chat"] = {"ttft": [], "peak_mb": {}}
             try:
                 chat_cell(cm, args.budgets[0], args.ttft_turns, args.ttft_prompts, turns, device, chat,
-                          lambda: _save(run, partial))
+                          lambda: _save(run, partial), store=args.chat_store if i == 0 else None)
             except Exception as exc:  # noqa: BLE001 — reported; what the chat measured before it stays
                 chat["error"] = _failure(exc)
                 log(f"speed-cuda {name} chat: failed at turn {chat.get('turns')} ({chat['error']})")
@@ -336,12 +296,11 @@ def checks(run: Run) -> None:
         served = all(r.get("eager_steps", 0) <= 1 for r in rows if POLICIES[r["policy"]].bounded)
         run.check(f"{name}: the graph took the steps", served or entry["step"] != "GraphStep",
                   ", ".join(f"{r['policy']}/{r['budget']}: {r.get('eager_steps')}" for r in rows))
-        peaks = entry.get("chat", {}).get("peak_mb", {})
+        peaks = above_base(entry.get("chat", {}))  # the chat's own: above what its run allocated before it
         if len(peaks) >= 2 and 100 in peaks:  # turn 100 against the last turn watched
             a, b = peaks[100], peaks[max(peaks)]
-            base = entry["chat"].get("base_mb", 0.0)  # the chat's own: above what was allocated before it
-            run.check(f"{name}: peak GPU memory flat over the chat", b <= a + 0.02 * max(a - base, 0.0),
-                      f"turn 100 vs turn {max(peaks)}: {a - base:.0f} vs {b - base:.0f} MiB")
+            run.check(f"{name}: peak GPU memory flat over the chat", b <= a + 0.02 * max(a, 0.0),
+                      f"turn 100 vs turn {max(peaks)}: {a:.0f} vs {b:.0f} MiB")
 
 
 def markdown(res: dict) -> str:
@@ -352,9 +311,9 @@ def markdown(res: dict) -> str:
                 "end: what it measured until then)."), ""]
     for name, entry in rows["shapes"].items():
         lines += [f"**{name}** ({entry['weight_bytes'] / 2**30:.2f} GiB of weights per step, decode step "
-                  f"{entry['step']}):", "",
-                  "| budget | policy | ms/token | tokens/s | × roofline | replay ms | compression ms (per token) | "
-                  "peak MiB |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  f"{entry['step']}):", ""]
+        lines += ["| budget | policy | ms/token | tokens/s | × roofline | replay ms | compression ms (per token) | "
+                  "peak MiB |", "| --- | --- | --- | --- | --- | --- | --- | --- |"] if entry["rows"] else []
         for r in entry["rows"]:
             label = _label(r)
             if "error" in r:
@@ -386,7 +345,14 @@ def markdown(res: dict) -> str:
                                                   if t.get("compressions") else "")
                                                for t in chat["ttft"]),
                       "Peak GPU memory of a chat turn above the weights (allocated before the chat): " +
-                      ", ".join(f"turn {k}: {v - chat.get('base_mb', 0):.0f} MiB" for k, v in chat["peak_mb"].items())]
+                      ", ".join(f"turn {k}: {v:.0f} MiB" for k, v in above_base(chat).items())]
+            if chat.get("disk_mb"):
+                pace = chat.get("turn_s", {})
+                runs = [str(r["from_turn"]) for r in chat.get("runs", [])[1:]]
+                lines.append("On disk (database, rows, state, digests), and a turn's mean time before it: "
+                             + ", ".join(f"turn {k}: {v:.1f} MB, {1000 * pace.get(k, 0):.0f} ms"
+                                         for k, v in chat["disk_mb"].items())
+                             + (f" (continued by another run at turn {', '.join(runs)})" if runs else "") + ".")
         lines.append("")
     return "\n".join(lines)
 

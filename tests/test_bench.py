@@ -138,6 +138,55 @@ def test_speed_on_cuda_without_a_gpu_is_refused_before_any_model_loads(capsys, m
     assert "no CUDA device" in capsys.readouterr().err
 
 
+def test_gpu_bench_chat_stopped_and_continued_is_the_chat_run_at_once(default_dir, tmp_path):
+    """The GPU bench's long chat is stored (``--chat-store``): a run stopped at turn 5 and continued by the next to
+    turn 9 holds the very conversation of a run to turn 9 at once (greedy replies, token for token), keeps the first
+    run's TTFT and records where each run started; its disk and time are watched at the last turn. A folder holding
+    another model's chat, or another budget's, is refused in one line."""
+    import argparse
+
+    from kvchat.bench import speed, speed_cuda, speed_cuda_chat as chat
+    from kvchat.bench.common import Run
+    from kvchat.storage.db import Store
+
+    cm = speed_cuda.build("tiny", str(default_dir), "cpu", "graph")
+
+    def run(folder, last):
+        out = {"ttft": [], "peak_mb": {}}
+        chat.chat_cell(cm, 64, [3], [10], last, "cpu", out, store=str(folder))
+        return out
+
+    first, once = run(tmp_path / "a", 5), run(tmp_path / "b", 9)
+    second = run(tmp_path / "a", 9)
+    assert [r["from_turn"] for r in second["runs"]] == [1, 5] and second["turns"] == once["turns"] == 9
+    assert second["ttft"] == first["ttft"] and [t["turn"] for t in once["ttft"]] == [3]
+    assert set(second["disk_mb"]) == {5, 9} and second["disk_mb"][9] > 0 and second["turn_s"][9] > 0
+
+    def tokens(folder):
+        store = Store(folder / "chat.db")
+        (conv,) = store.conversations()
+        return [(m["role"], m["tokens"]) for m in store.messages(conv["id"])]
+
+    assert tokens(tmp_path / "a") == tokens(tmp_path / "b") and len(tokens(tmp_path / "a")) == 17
+    # the bench itself, only the chat (--no-grid), continuing it: the report says where
+    p = argparse.ArgumentParser()
+    speed.add_arguments(p)
+    ns = p.parse_args(["--device", "cpu", "--shapes", "tiny", "--budgets", "64", "--ttft-turns", "3", "--ttft-prompts",
+                       "10", "--replay-turns", "12", "--no-grid", "--chat-store", str(tmp_path / "a"), "--tokenizer",
+                       str(default_dir)])
+    ns.model, ns.decode = "default", "graph"
+    run = Run("speed-cuda", False, {})
+    speed_cuda.run(ns, run)
+    entry = run.rows["shapes"]["tiny"]
+    assert entry["rows"] == [] and entry["chat"]["turns"] == 12 and len(entry["chat"]["runs"]) == 3
+    assert "(continued by another run at turn 5, 9)." in speed_cuda.markdown(run.result())
+    with pytest.raises(ValueError, match=r"holds a chat of tiny at budget 64, not tiny at 128"):
+        chat.stored_chat(tmp_path / "a", "tiny", 128)
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="not a folder"):
+        chat.stored_chat(tmp_path / "f", "tiny", 64)
+
+
 def test_gpu_speed_bench_runs_its_whole_grid_on_a_tiny_model(default_dir, tmp_path):
     """bench/speed_cuda.py's every measurement on the CPU with the tiny shape (what a GPU run does at its sizes):
     rows for each policy and transformers, rooflines, compressions, the chat's TTFT, the report section."""
@@ -149,7 +198,7 @@ def test_gpu_speed_bench_runs_its_whole_grid_on_a_tiny_model(default_dir, tmp_pa
     p = argparse.ArgumentParser()
     speed.add_arguments(p)
     ns = p.parse_args(["--device", "cpu", "--shapes", "tiny", "--budgets", "64", "--steps", "80", "--policies",
-                       "streaming", "h2o", "--ttft-turns", "3", "--ttft-prompts", "10", "40", "--replay-turns", "4",
+                       "streaming", "h2o", "--ttft-turns", "3", "--ttft-prompts", "10", "40", "--replay-turns", "6",
                        "--no-compiled-reference", "--graph-variants", "graph", "compiled", "triton", "graph-sync",
                        "--tokenizer",
                        str(default_dir)])
@@ -175,6 +224,7 @@ def test_gpu_speed_bench_runs_its_whole_grid_on_a_tiny_model(default_dir, tmp_pa
     assert all(c["ok"] for c in run.checks)
     report = speed_cuda.markdown(run.result())
     assert "| 64 | streaming |" in report and "| 64 | streaming · compiled |" in report
+    assert "On disk (database, rows, state, digests), and a turn's mean time before it: turn 6: " in report
     assert "| 64 | streaming · graph-sync |" in report and "| 64 | streaming · triton |" in report
     profiled = [r for r in rows if r.get("kernels")]  # streaming at the first budget, once per variant
     assert [(r["policy"], r["step"]) for r in profiled] == [("streaming", v) for v in ("graph", "compiled", "triton",

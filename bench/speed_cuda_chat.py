@@ -1,0 +1,193 @@
+"""The long chat of ``kvchat bench speed --device cuda``: TTFT at chosen turns, and the GPU memory, disk and time of a
+turn over thousands of turns, in a conversation stored as the app stores one.
+
+Each turn is a user message of 24 random tokens and a reply of ``CHAT_REPLY`` greedy tokens (``streaming`` at the
+first budget, recall and the rest as the defaults have them). At turns ``--ttft-turns`` messages of
+``--ttft-prompts`` tokens are timed instead (their replies one token). Turn 100, every ``WATCH``-th turn and the last
+are watched: the peak GPU memory allocated while the turn ran, the bytes the conversation keeps on disk (database,
+rows, state, recall's digests) and the mean wall time of a turn since the last watched one.
+
+The conversation is stored (``chat.db`` and its archive folder) in ``--chat-store`` where given, with what was
+measured so far in ``chat.json`` beside it: a run stopped by its time limit (a GPU lease's call) is continued by
+the next run given the same folder, which reopens the conversation at its last saved turn, exactly, and adds its
+measurements to the earlier ones (``runs``: where each run started and what was allocated before its chat, the
+weights; memory is compared above that). Without it the conversation lives in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+from ..core.cache import compress
+from ..core.engine.session import Sampling, Session
+from ..core.engine.settings import Settings
+from ..storage.db import Store
+from . import speed_cuda_baselines as baselines
+from .common import log
+
+CHAT_REPLY = 8  # tokens generated per turn of the chat
+MESSAGE = 24  # tokens of a turn's user message
+WATCH = 250  # every WATCH-th turn is watched (and turn 100, and the last)
+NOTES = "chat.json"  # beside the stored conversation: what was measured so far, and which conversation it is
+
+
+def random_ids(cm, n: int, seed: int) -> list[int]:
+    special = set(getattr(cm.tokenizer, "all_special_ids", []))
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(100, min(len(cm.tokenizer), cm.model.config.vocab_size), (n * 2,), generator=gen).tolist()
+    return [i for i in ids if i not in special][:n]
+
+
+def text(cm, n: int, seed: int) -> str:
+    """A user message of ``n`` random tokens (less what the engine refuses in a message: NUL characters)."""
+    return cm.tokenizer.decode(random_ids(cm, n, seed)).replace("\x00", "")
+
+
+def timing_compressions(device: str, out: list, count=lambda: 0):
+    """``compress.compress`` timed, the device synchronised around each: (``count()`` at its start, seconds) into
+    ``out``; a context manager."""
+    plain = compress.compress
+
+    def compressing(*args, **kwargs):
+        baselines.sync(device)
+        t = time.perf_counter()
+        try:
+            return plain(*args, **kwargs)
+        finally:
+            baselines.sync(device)
+            out.append((count(), time.perf_counter() - t))
+
+    return mock.patch.object(compress, "compress", compressing)
+
+
+def open_chat(cm, budget: int, folder: Path, out: dict) -> Session:
+    """The chat stored in ``folder``, reopened where ``chat.json`` names one (its measurements into ``out``), else a
+    new one. A folder holding another model's chat, or one at another budget, is refused."""
+    kept = stored_chat(folder, cm.name, budget)
+    folder.mkdir(parents=True, exist_ok=True)
+    store = Store(folder / "chat.db")
+    greedy = Sampling(temperature=0.0)
+    if kept is not None:
+        for key in ("peak_mb", "disk_mb", "turn_s"):
+            kept["chat"][key] = {int(k): v for k, v in kept["chat"].get(key, {}).items()}
+        out.update(kept["chat"])
+        session = Session.resume(cm, store, kept["conversation_id"], sampling=greedy)
+        log(f"speed-cuda {cm.name} chat: reopened at turn {session.turn} ({session.restored_from})")
+        return session
+    return Session(cm, Settings(policy="streaming", budget=budget), store=store, sampling=greedy)
+
+
+def stored_chat(folder: Path, model: str, budget: int) -> dict | None:
+    """What ``chat.json`` in ``folder`` says of the chat kept there (None: no chat yet); ValueError, one line, for a
+    folder that is a file, unreadable notes, or another model's chat or another budget's."""
+    folder, notes = Path(folder), Path(folder) / NOTES
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"--chat-store {folder}: not a folder")
+    if not notes.is_file():
+        return None
+    try:
+        kept = json.loads(notes.read_text(encoding="utf-8"))
+        where = (kept["model"], kept["budget"], kept["conversation_id"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--chat-store {folder}: {NOTES} cannot be read ({exc})") from None
+    if where[:2] != (model, budget):
+        raise ValueError(f"--chat-store {folder}: holds a chat of {where[0]} at budget {where[1]}, not {model} at "
+                         f"{budget}")
+    return kept
+
+
+def save_notes(folder: Path, session: Session, budget: int, out: dict) -> None:
+    """``chat.json``, written whole or not at all: which conversation, and what was measured of it."""
+    if session.conversation_id is None:
+        return
+    notes = {"model": session.model.name, "budget": budget, "conversation_id": session.conversation_id, "chat": out}
+    tmp = folder / (NOTES + ".tmp")
+    tmp.write_text(json.dumps(notes, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, folder / NOTES)
+
+
+def chat_cell(cm, budget: int, turns: list[int], prompts: list[int], replay_turns: int, device: str,
+              out: dict, saved=lambda: None, store: str | None = None) -> None:
+    """TTFT at turns ``turns``, and what turn 100, every ``WATCH``-th turn and turn ``replay_turns`` cost (peak GPU
+    memory, disk, time), into ``out`` as they are measured (``saved()`` at each watched turn: a run stopped early
+    keeps what it measured, the trend included). ``store``: the folder the chat is kept in, and continued from."""
+    with tempfile.TemporaryDirectory(prefix="kvchat-chat-") as scratch:
+        folder = Path(store) if store else Path(scratch)
+        session = open_chat(cm, budget, folder, out)
+        try:
+            _chat(session, folder, budget, turns, prompts, replay_turns, device, out, saved)
+        finally:
+            session.close()
+            session.store.close()
+
+
+def _chat(session: Session, folder: Path, budget: int, turns: list[int], prompts: list[int], replay_turns: int,
+          device: str, out: dict, saved) -> None:
+    cm = session.model
+    ttft, peaks = out.setdefault("ttft", []), out.setdefault("peak_mb", {})
+    disk, pace = out.setdefault("disk_mb", {}), out.setdefault("turn_s", {})
+    gc.collect()  # the grids' steps and sessions freed now, not during the chat (seen: turn 100 below the base)
+    base = torch.cuda.memory_allocated() / 2**20 if device == "cuda" else 0.0  # weights, other models
+    out.setdefault("base_mb", base)  # the first run's
+    out.setdefault("runs", []).append({"from_turn": session.turn, "base_mb": base})
+    last = max(max(turns), replay_turns)
+    since, t0 = session.turn, time.perf_counter()
+    while session.turn < last:
+        nxt = session.turn + 1
+        seed = 10 + nxt  # the same messages whether the chat ran in one run or was continued
+        if nxt in turns:
+            for n in prompts:
+                squeezes: list = []  # what of the TTFT is compressions (the device synchronised around each)
+                with timing_compressions(device, squeezes):
+                    res = session.chat(text(cm, n, seed), max_new_tokens=1)
+                ttft.append({"turn": session.turn, "prompt_tokens": res.prompt_tokens, "ttft_ms": res.prefill_ms,
+                             "recalled_tokens": res.recalled_tokens, "recall_ms": res.recall_ms,
+                             "compressions": len(squeezes), "compress_ms": 1000 * sum(s for _, s in squeezes),
+                             "history_tokens": session.total_tokens})
+                log(f"speed-cuda {cm.name} TTFT turn {session.turn}: {res.prompt_tokens}-token message "
+                    f"{res.prefill_ms:.1f} ms (recall {res.recall_ms or 0:.1f}, {len(squeezes)} compressions "
+                    f"{ttft[-1]['compress_ms']:.1f})")
+            since, t0 = session.turn, time.perf_counter()  # the pace is the ordinary turns'
+            continue
+        watched = nxt in (100, replay_turns) or nxt % WATCH == 0
+        if watched and device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        session.chat(text(cm, MESSAGE, seed), max_new_tokens=CHAT_REPLY)
+        out.update(turns=session.turn, tokens=session.total_tokens)
+        if not watched:
+            continue
+        if device == "cuda":
+            peaks[nxt] = torch.cuda.max_memory_allocated() / 2**20
+        disk[nxt] = (session.disk_bytes + _file_bytes(folder / "chat.db")) / 2**20
+        pace[nxt] = (time.perf_counter() - t0) / max(session.turn - since, 1)
+        since, t0 = session.turn, time.perf_counter()
+        log(f"speed-cuda {cm.name} chat: turn {session.turn}, {session.total_tokens} tokens, "
+            f"{1000 * pace[nxt]:.0f} ms a turn, {disk[nxt]:.1f} MB on disk"
+            + (f", peak {peaks[nxt]:.0f} MiB" if nxt in peaks else ""))
+        save_notes(folder, session, budget, out)
+        saved()
+    save_notes(folder, session, budget, out)
+
+
+def _file_bytes(path: Path) -> int:
+    """A SQLite database's bytes, its write-ahead log included."""
+    return sum(p.stat().st_size for p in (path, path.with_name(path.name + "-wal")) if p.is_file())
+
+
+def above_base(chat: dict) -> dict[int, float]:
+    """Each watched turn's peak GPU memory above what its run had allocated before the chat (the weights)."""
+    runs = sorted(chat.get("runs") or [{"from_turn": 0, "base_mb": chat.get("base_mb", 0.0)}],
+                  key=lambda r: r["from_turn"])
+    out = {}
+    for turn, peak in chat.get("peak_mb", {}).items():
+        base = [r["base_mb"] for r in runs if r["from_turn"] < int(turn)]
+        out[int(turn)] = peak - (base[-1] if base else runs[0]["base_mb"])
+    return out
