@@ -56,6 +56,29 @@ def test_every_turn_reopens_with_the_exact_cache(tiny, tmp_path, policy, positio
     assert reopened.chat("One last question?").answer == live.chat("One last question?").answer
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.cuda
+def test_a_conversation_on_the_gpu_reopens_with_the_exact_cache(tokenizer, tmp_path):
+    """On CUDA, in bf16 with ``--decode auto``'s step (the graph step in Triton kernels) and recall on: every turn
+    reopens with the cache tensor for tensor, and the reopened conversation's next greedy reply is the live one's
+    (the GPU bench's long chat continues this way from one call to the next)."""
+    from kvchat.core.model.loading import ChatModel
+    from tinymodels import build_tiny
+
+    model = ChatModel.from_pretrained_model(build_tiny("llama", tokenizer).to(device="cuda", dtype=torch.bfloat16),
+                                            tokenizer, name="tiny-cuda", decode="auto")
+    settings = Settings(policy="h2o", budget=48, window=8, slack=6, groups="sentence", recall="on")
+    live = Session(model, settings, store=Store(tmp_path / "kv.db"), sampling=GREEDY)
+    for user, reply in TURNS:
+        live.chat(user)
+        live.exchange(user, reply)
+        reopened = Session.resume(model, Store(tmp_path / "kv.db"), live.conversation_id, sampling=GREEDY)
+        assert reopened.restored_from == "archive" and reopened.cache.layers[0].keys.is_cuda
+        assert_same_cache(reopened, live)
+    assert live.evicted_total > 0 and model.step.replays > 0
+    assert reopened.chat("One last question?").answer == live.chat("One last question?").answer
+
+
 @pytest.mark.parametrize("recall", ["off", "on"])
 def test_a_crash_mid_turn_reopens_the_last_committed_turn(tiny, tmp_path, recall, monkeypatch):
     """The worst moment: the next turn's rows, digests and state file are on disk (and a write was cut short), its
