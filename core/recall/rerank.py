@@ -22,7 +22,7 @@ import torch
 
 QUESTION_TOKENS = 24  # the message's last content tokens whose likelihood is compared
 CANDIDATE_TOKENS = 32  # a candidate's first content tokens read before the message
-BATCH = 16  # sequences per forward
+BATCH = 32  # sequences per forward: the default pool and the message alone (17) in one
 GPU_DEFAULT = 16  # candidates re-ranked per message where ``recall_rerank`` is not set, on a GPU (0 elsewhere)
 
 
