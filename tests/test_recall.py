@@ -303,6 +303,7 @@ def test_relevance_finds_the_group_the_queries_point_at(monkeypatch, candidates)
     from kvchat.core.recall import digest, score
 
     monkeypatch.setattr(score, "CANDIDATES", candidates)
+    monkeypatch.setattr(score, "BLOCK", 512)  # the coarse pass's 2000 groups in four blocks
     gen = torch.Generator().manual_seed(0)
     layers, groups, heads, dim = [2, 4, 6, 8], 2000, 2, 16
     digests = torch.randn(groups, len(layers), heads, digest.REPS, dim, generator=gen)
@@ -316,6 +317,23 @@ def test_relevance_finds_the_group_the_queries_point_at(monkeypatch, candidates)
     rel = score.relevance(digests.numpy(), coarse, layers, queries, {})
     assert rel.argmax() == target
     assert (rel == 0).sum() == (groups - candidates if candidates < groups else 0)
+
+
+def test_the_coarse_pass_multiplies_a_block_of_groups_at_a_time(monkeypatch):
+    """Past ``BLOCK`` groups the coarse pass's shares are those of one softmax over all the groups (to float
+    precision), from products of at most ``BLOCK`` groups each: its memory, on a GPU too, stays a block's however
+    long the chat (the groups grow with it until the archive's cap)."""
+    from kvchat.core.recall import score
+
+    gen = torch.Generator().manual_seed(2)
+    q, keys = torch.randn(8, 5, 16, generator=gen), torch.randn(2, 1000, 16, generator=gen).to(score.COARSE_DTYPE)
+    whole = score._shares(q, keys, 0.25, 1)
+    monkeypatch.setattr(score, "BLOCK", 96)
+    widths, plain = [], score._logits
+    monkeypatch.setattr(score, "_logits", lambda q, k, *a: widths.append(k.shape[1]) or plain(q, k, *a))
+    blocked = score._blocked_shares(q, keys, 0.25)
+    torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-8)
+    assert max(widths) == 96 and len(widths) == 2 * 11
 
 
 def test_scores_equal_the_attention_shares_they_stand_for():

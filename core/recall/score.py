@@ -18,6 +18,7 @@ SCORING_LAYERS = 8  # layers whose queries and keys score relevance
 QUERY_ROWS = 64  # the latest query rows of a user message kept for scoring
 CANDIDATES = 512  # past this many groups, a coarse pass (one key per group, a few layers) picks the ones scored
 COARSE_ROWS = 24  # query rows (spread evenly over the message) the coarse pass uses; the full pass uses all
+BLOCK = 4096  # groups the coarse pass multiplies at once: its memory (on a GPU too) is bounded, not the chat's length
 
 
 def _native_bf16() -> bool:
@@ -99,7 +100,7 @@ def relevance(digests, coarse: torch.Tensor, layers: list[int], queries: dict[in
         if q is not None:
             if q.shape[1] > COARSE_ROWS:  # its cost grows with rows x groups: a long message is sampled
                 q = q[:, torch.linspace(0, q.shape[1] - 1, COARSE_ROWS).round().long().to(q.device)]
-            first += _shares(q, coarse[ci].to(q.device), scaling.get(li, q.shape[-1] ** -0.5), 1, rough=True)
+            first += _blocked_shares(q, coarse[ci], scaling.get(li, q.shape[-1] ** -0.5))
             used += 1
     picked = (first / max(used, 1)).topk(CANDIDATES).indices.sort().values
     out = torch.zeros(groups)
@@ -133,17 +134,35 @@ def _shares(q: torch.Tensor, keys: torch.Tensor, scale: float, reps: int, rough:
     KV head go together) gives each group, the softmax taken over the groups' best of ``reps`` keys (``keys``:
     [KV heads, reps * groups, dim], representative r of group g at row r * groups + g). ``rough``: the softmax's
     output in the keys' dtype where that is bf16 (the coarse pass, which only ranks: 18-31% faster there)."""
+    s = _logits(q, keys, scale, reps)
+    if rough and s.dtype == torch.bfloat16:
+        return s.softmax(-1).amax((0, 1)).float().cpu()
+    return s.float().softmax(-1).amax((0, 1)).cpu()
+
+
+def _logits(q: torch.Tensor, keys: torch.Tensor, scale: float, reps: int = 1) -> torch.Tensor:
+    """[KV heads, rows, groups] each row's logit for each group's best of ``reps`` keys (as ``_shares`` reads them)."""
     heads = keys.shape[0]
     qh = q.reshape(heads, -1, keys.shape[-1]) * scale
     if keys.dtype == torch.bfloat16:  # where the CPU multiplies bf16 natively
         s = _bf16_scores(qh.to(keys.dtype), keys)
     else:
         s = torch.bmm(qh, keys.float().transpose(1, 2))
-    if reps > 1:
-        s = s.view(heads, qh.shape[1], reps, -1).amax(2)
-    if rough and s.dtype == torch.bfloat16:
-        return s.softmax(-1).amax((0, 1)).float().cpu()
-    return s.float().softmax(-1).amax((0, 1)).cpu()
+    return s.view(heads, qh.shape[1], reps, -1).amax(2) if reps > 1 else s
+
+
+def _blocked_shares(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """``_shares(q, keys, scale, 1, rough=True)`` (``keys``: one per group, in memory, moved to ``q``'s device a
+    ``BLOCK`` of groups at a time) in memory that does not grow with the groups: past one block, each row's softmax
+    normaliser is summed block by block first (log-sum-exp), then each block's shares are taken against it."""
+    groups = keys.shape[1]
+    if groups <= BLOCK:
+        return _shares(q, keys.to(q.device), scale, 1, rough=True)
+    blocks = range(0, groups, BLOCK)
+    norm = torch.stack([_logits(q, keys[:, a: a + BLOCK].to(q.device), scale).float().logsumexp(-1)
+                        for a in blocks]).logsumexp(0)
+    return torch.cat([(_logits(q, keys[:, a: a + BLOCK].to(q.device), scale).float() - norm[..., None]).exp()
+                      .amax((0, 1)).cpu() for a in blocks])
 
 
 def _bucket(n: int, step: int) -> int:
