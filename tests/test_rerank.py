@@ -26,10 +26,17 @@ def _loglik(cm, prefix, question):
 def test_gains_read_in_padded_batches_equal_each_sequence_read_alone(tiny, monkeypatch, arch):
     cm = tiny(arch)
     monkeypatch.setattr(rerank, "BATCH", 3)  # several batches, each padded to its longest row
+    monkeypatch.setattr(rerank, "ROWS", 7)  # the logits of 7 positions at a time, over the whole vocabulary
     question = _ids(cm, "Where did I put the spare key for the shed?")
     candidates = [_ids(cm, t) for t in ("The key is under the pot.", "Hi.", "Rome was not built in a day, they say, "
                                         "and neither was any other city worth the name.", "Sure.", "Cats purr.")]
-    got = rerank.gains(cm, question, candidates)
+    rows = []
+    hook = cm.model.get_output_embeddings().register_forward_hook(lambda m, args, out: rows.append(out.shape[0]))
+    try:
+        got = rerank.gains(cm, question, candidates)
+    finally:
+        hook.remove()
+    assert max(rows) == 7 and sum(rows) == 6 * len(question)
     head, tail = cm.chat.user_wrap()
     q = question.tolist()
     none = _loglik(cm, head, q)

@@ -23,6 +23,7 @@ import torch
 QUESTION_TOKENS = 24  # the message's last content tokens whose likelihood is compared
 CANDIDATE_TOKENS = 32  # a candidate's first content tokens read before the message
 BATCH = 32  # sequences per forward: the default pool and the message alone (17) in one
+ROWS = 64  # positions whose logits (over the whole vocabulary, in fp32) are taken at once
 GPU_DEFAULT = 16  # candidates re-ranked per message where ``recall_rerank`` is not set, on a GPU (0 elsewhere)
 
 
@@ -56,9 +57,19 @@ def gains(cm, question: torch.Tensor, candidates: list[torch.Tensor]) -> torch.T
             ids[r, :len(row)] = torch.tensor(row)
         hidden = base(input_ids=ids.to(device), use_cache=False).last_hidden_state
         at = torch.stack([torch.arange(len(p) - 1, len(p) - 1 + len(q)) for p in chunk]).to(device)
-        picked = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1]))
-        logprobs = out_head(picked).float().log_softmax(-1)
-        target = torch.tensor(q, device=device).expand(len(chunk), -1)
-        totals.append(logprobs.gather(-1, target[..., None])[..., 0].sum(-1).cpu())
+        picked = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1])).flatten(0, 1)
+        target = torch.tensor(q, device=device).repeat(len(chunk))
+        totals.append(_logprobs(out_head, picked, target).view(len(chunk), -1).sum(-1).cpu())
     total = torch.cat(totals)
     return (total[1:] - total[0]) / len(q)
+
+
+def _logprobs(out_head, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """[positions] log P(target) at each row of ``hidden`` ([positions, hidden size]), through the output layer
+    ``ROWS`` positions at a time: the fp32 logits of 17 x 24 positions over a 128K vocabulary would be 200 MB at
+    once."""
+    out = []
+    for a in range(0, hidden.shape[0], ROWS):
+        logits = out_head(hidden[a: a + ROWS]).float()
+        out.append(logits.gather(-1, target[a: a + ROWS, None])[:, 0] - logits.logsumexp(-1))
+    return torch.cat(out)
