@@ -155,6 +155,7 @@ def _chat(session: Session, folder: Path, budget: int, turns: list[int], prompts
                 log(f"speed-cuda {cm.name} TTFT turn {session.turn}: {res.prompt_tokens}-token message "
                     f"{res.prefill_ms:.1f} ms (recall {res.recall_ms or 0:.1f}, {len(squeezes)} compressions "
                     f"{ttft[-1]['compress_ms']:.1f})")
+            out.update(turns=session.turn, tokens=session.total_tokens)
             since, t0 = session.turn, time.perf_counter()  # the pace is the ordinary turns'
             continue
         watched = nxt in (100, replay_turns) or nxt % WATCH == 0
