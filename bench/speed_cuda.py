@@ -346,6 +346,13 @@ def markdown(res: dict) -> str:
                                                for t in chat["ttft"]),
                       "Peak GPU memory of a chat turn above the weights (allocated before the chat): " +
                       ", ".join(f"turn {k}: {v:.0f} MiB" for k, v in above_base(chat).items())]
+            if chat.get("turn_profile"):
+                t = chat["turn_profile"]
+                lines.append(kernels.compression_line(name, f"turn {t['turn']}", t, "a chat turn") + f" Its TTFT "
+                             f"{t['ttft_ms']:.1f} ms, recall {t['recall_ms'] or 0:.1f} ms ("
+                             + (f"{t['recalled_tokens']} tokens recalled" if t["recalled_tokens"] else
+                                "what it brought back declined" if t["declined"] else "nothing brought back")
+                             + "; under the profiler).")
             if chat.get("disk_mb"):
                 pace = chat.get("turn_s", {})
                 runs = [str(r["from_turn"]) for r in chat.get("runs", [])[1:]]

@@ -5,7 +5,8 @@ Each turn is a user message of 24 random tokens and a reply of ``CHAT_REPLY`` gr
 first budget, recall and the rest as the defaults have them). At turns ``--ttft-turns`` messages of
 ``--ttft-prompts`` tokens are timed instead (their replies one token). Turn 100, every ``WATCH``-th turn and the last
 are watched: the peak GPU memory allocated while the turn ran, the bytes the conversation keeps on disk (database,
-rows, state, recall's digests) and the mean wall time of a turn since the last watched one.
+rows, state, recall's digests) and the mean wall time of a turn since the last watched one. Turn ``PROFILE_TURN``
+(past the budget: recall at work) runs under PyTorch's profiler (``turn_profile``).
 
 The conversation is stored (``chat.db`` and its archive folder) in ``--chat-store`` where given, with what was
 measured so far in ``chat.json`` beside it: a run stopped by its time limit (a GPU lease's call) is continued by
@@ -31,11 +32,13 @@ from ..core.engine.session import Sampling, Session
 from ..core.engine.settings import Settings
 from ..storage.db import Store
 from . import speed_cuda_baselines as baselines
+from . import speed_cuda_kernels as kernels
 from .common import log
 
 CHAT_REPLY = 8  # tokens generated per turn of the chat
 MESSAGE = 24  # tokens of a turn's user message
 WATCH = 250  # every WATCH-th turn is watched (and turn 100, and the last)
+PROFILE_TURN = 260  # this turn runs under PyTorch's profiler: where a turn past the budget spends its time
 NOTES = "chat.json"  # beside the stored conversation: what was measured so far, and which conversation it is
 
 
@@ -161,7 +164,10 @@ def _chat(session: Session, folder: Path, budget: int, turns: list[int], prompts
         watched = nxt in (100, replay_turns) or nxt % WATCH == 0
         if watched and device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        session.chat(text(cm, MESSAGE, seed), max_new_tokens=CHAT_REPLY)
+        if nxt == PROFILE_TURN and "turn_profile" not in out:
+            out["turn_profile"] = profiled_turn(session, text(cm, MESSAGE, seed), device)
+        else:
+            session.chat(text(cm, MESSAGE, seed), max_new_tokens=CHAT_REPLY)
         out.update(turns=session.turn, tokens=session.total_tokens)
         if not watched:
             continue
@@ -176,6 +182,16 @@ def _chat(session: Session, folder: Path, budget: int, turns: list[int], prompts
         save_notes(folder, session, budget, out)
         saved()
     save_notes(folder, session, budget, out)
+
+
+def profiled_turn(session: Session, message: str, device: str) -> dict:
+    """One ordinary turn under PyTorch's profiler (``kernels.profile_call``: its kernels and their device time, the
+    host's waits for the device, the host operators that took longest), with what the turn says of itself."""
+    done = []
+    prof = kernels.profile_call(lambda: done.append(session.chat(message, max_new_tokens=CHAT_REPLY)), device)
+    res = done[0]
+    return {"turn": session.turn, "ttft_ms": res.prefill_ms, "recall_ms": res.recall_ms,
+            "recalled_tokens": res.recalled_tokens, "declined": bool(res.recall_declined), **prof}
 
 
 def _file_bytes(path: Path) -> int:

@@ -6,7 +6,8 @@ The first GPU run found the step ~100 µs a layer over the bytes it reads and pu
 (the gaps between them). On a GPU it profiles replays of the captured graph, or where the profiler sees no kernels
 inside one, the same step run uncaptured (``source`` says which); on the CPU (the tests) the step's operators.
 ``profile_compression`` does the same for one compression, whose 14-95 ms on an H100 the operations it launches do
-not explain: its kernels' device time against its wall time, and the host's waits for the device."""
+not explain: its kernels' device time against its wall time, and the host's waits for the device; ``profile_call``
+for anything else (the long chat's profiled turn: bench/speed_cuda_chat.py)."""
 
 from __future__ import annotations
 
@@ -103,18 +104,22 @@ WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize
 
 
 def profile_compression(session, budget: int) -> dict:
-    """One compression of ``session``'s cache to ``budget`` under PyTorch's profiler, host and device: its wall time,
-    its kernels (count, device time), the host's waits for the device (``WAITS``) and the host operators that took
-    longest (their own time) — whether a compression is bound by the device, by waits, or by the host's Python.
-    It compresses the session: for benches, after a reply."""
+    """One compression of ``session``'s cache to ``budget`` under PyTorch's profiler (``profile_call``): whether a
+    compression is bound by the device, by waits, or by the host's Python. It compresses the session: for benches,
+    after a reply."""
+    return profile_call(lambda: compress.compress(session, budget, "bench"), session.model.device.type)
+
+
+def profile_call(fn, device: str) -> dict:
+    """``fn()`` under PyTorch's profiler, host and device: its wall time, its kernels (count, device time), the
+    host's waits for the device (``WAITS``) and the host operators that took longest (their own time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    device = session.model.device.type
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     sync(device)
     with torch.no_grad(), profile(activities=activities) as prof:
         t = time.perf_counter()
-        compress.compress(session, budget, "bench")
+        fn()
         sync(device)
         wall = time.perf_counter() - t
     kernels = _kernels(prof, True) if device == "cuda" else {}
@@ -133,9 +138,9 @@ def profile_compression(session, budget: int) -> dict:
             "top_host": [{"name": k, "count": n, "us": t} for k, (n, t) in top]}
 
 
-def compression_line(name: str, label: str, prof: dict) -> str:
-    """One line of the report for a row's ``compress_profile``."""
+def compression_line(name: str, label: str, prof: dict, what: str = "a compression") -> str:
+    """One line of the report for a row's ``compress_profile`` (or another ``profile_call``: ``what``)."""
     top = ", ".join(f"{k['name'][6:]} {k['us']:.0f} µs ×{k['count']}" for k in prof["top_host"][:5])
-    return (f"{name} {label}: a compression {prof['wall_ms']:.1f} ms, {prof['kernels']} kernels "
+    return (f"{name} {label}: {what} {prof['wall_ms']:.1f} ms, {prof['kernels']} kernels "
             f"{prof['kernel_us'] / 1000:.2f} ms on the device, {prof['waits']} waits for it, {prof['host_ops']} host "
             f"operators {prof['host_us'] / 1000:.2f} ms of their own; the longest: {top}.")

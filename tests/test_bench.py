@@ -138,7 +138,7 @@ def test_speed_on_cuda_without_a_gpu_is_refused_before_any_model_loads(capsys, m
     assert "no CUDA device" in capsys.readouterr().err
 
 
-def test_gpu_bench_chat_stopped_and_continued_is_the_chat_run_at_once(default_dir, tmp_path):
+def test_gpu_bench_chat_stopped_and_continued_is_the_chat_run_at_once(default_dir, tmp_path, monkeypatch):
     """The GPU bench's long chat is stored (``--chat-store``): a run stopped at turn 5 and continued by the next to
     turn 9 holds the very conversation of a run to turn 9 at once (greedy replies, token for token), keeps the first
     run's TTFT and records where each run started; its disk and time are watched at the last turn. A folder holding
@@ -150,6 +150,7 @@ def test_gpu_bench_chat_stopped_and_continued_is_the_chat_run_at_once(default_di
     from kvchat.storage.db import Store
 
     cm = speed_cuda.build("tiny", str(default_dir), "cpu", "graph")
+    monkeypatch.setattr(chat, "PROFILE_TURN", 7)  # past the budget: recall at work
 
     def run(folder, last):
         out = {"ttft": [], "peak_mb": {}}
@@ -161,6 +162,10 @@ def test_gpu_bench_chat_stopped_and_continued_is_the_chat_run_at_once(default_di
     assert [r["from_turn"] for r in second["runs"]] == [1, 5] and second["turns"] == once["turns"] == 9
     assert second["ttft"] == first["ttft"] and [t["turn"] for t in once["ttft"]] == [3]
     assert set(second["disk_mb"]) == {5, 9} and second["disk_mb"][9] > 0 and second["turn_s"][9] > 0
+    # turn 7 ran under the profiler (on the CPU: its host operators), the same turn as the others' turn 7
+    prof = second["turn_profile"]
+    assert prof["turn"] == 7 and prof["host_ops"] > 100 and prof["kernels"] == 0 and len(prof["top_host"]) == 8
+    assert prof["recall_ms"] > 0 and prof["ttft_ms"] > 0 and once["turn_profile"]["turn"] == 7
 
     def tokens(folder):
         store = Store(folder / "chat.db")
@@ -179,7 +184,8 @@ def test_gpu_bench_chat_stopped_and_continued_is_the_chat_run_at_once(default_di
     speed_cuda.run(ns, run)
     entry = run.rows["shapes"]["tiny"]
     assert entry["rows"] == [] and entry["chat"]["turns"] == 12 and len(entry["chat"]["runs"]) == 3
-    assert "(continued by another run at turn 5, 9)." in speed_cuda.markdown(run.result())
+    report = speed_cuda.markdown(run.result())
+    assert "(continued by another run at turn 5, 9)." in report and "tiny turn 7: a chat turn " in report
     with pytest.raises(ValueError, match=r"holds a chat of tiny at budget 64, not tiny at 128"):
         chat.stored_chat(tmp_path / "a", "tiny", 128)
     (tmp_path / "f").write_text("x")
