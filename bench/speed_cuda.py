@@ -357,7 +357,7 @@ def markdown(res: dict) -> str:
                 pace = chat.get("turn_s", {})
                 runs = [str(r["from_turn"]) for r in chat.get("runs", [])[1:]]
                 lines.append("On disk (database, rows, state, digests), and a turn's mean time before it: "
-                             + ", ".join(f"turn {k}: {v:.1f} MB, {1000 * pace.get(k, 0):.0f} ms"
+                             + ", ".join(f"turn {k}: {v:.1f} MB" + (f", {1000 * pace[k]:.0f} ms" if k in pace else "")
                                          for k, v in chat["disk_mb"].items())
                              + (f" (continued by another run at turn {', '.join(runs)})" if runs else "") + ".")
         lines.append("")

@@ -166,6 +166,7 @@ def _chat(session: Session, folder: Path, budget: int, turns: list[int], prompts
             torch.cuda.reset_peak_memory_stats()
         if nxt == PROFILE_TURN and "turn_profile" not in out:
             out["turn_profile"] = profiled_turn(session, text(cm, MESSAGE, seed), device)
+            since, t0 = session.turn, time.perf_counter()  # the profiler's own cost is not a turn's
         else:
             session.chat(text(cm, MESSAGE, seed), max_new_tokens=CHAT_REPLY)
         out.update(turns=session.turn, tokens=session.total_tokens)
@@ -174,10 +175,11 @@ def _chat(session: Session, folder: Path, budget: int, turns: list[int], prompts
         if device == "cuda":
             peaks[nxt] = torch.cuda.max_memory_allocated() / 2**20
         disk[nxt] = (session.disk_bytes + _file_bytes(folder / "chat.db")) / 2**20
-        pace[nxt] = (time.perf_counter() - t0) / max(session.turn - since, 1)
+        if session.turn > since:  # the turns timed since the last watched one (not a TTFT's, not the profiled)
+            pace[nxt] = (time.perf_counter() - t0) / (session.turn - since)
         since, t0 = session.turn, time.perf_counter()
         log(f"speed-cuda {cm.name} chat: turn {session.turn}, {session.total_tokens} tokens, "
-            f"{1000 * pace[nxt]:.0f} ms a turn, {disk[nxt]:.1f} MB on disk"
+            f"{1000 * pace.get(nxt, 0):.0f} ms a turn, {disk[nxt]:.1f} MB on disk"
             + (f", peak {peaks[nxt]:.0f} MiB" if nxt in peaks else ""))
         save_notes(folder, session, budget, out)
         saved()
