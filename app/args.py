@@ -29,8 +29,8 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
                         "as loaded), model (as loaded), auto (half for an fp32 model on the CPU; default auto)")
     g.add_argument("--decode", default="auto", choices=DECODE,
                    help="one-token steps: auto (on CUDA the graph step in Triton's kernels; on the CPU kvchat's "
-                        "step for Llama-family models, core/decode, on kvchat's operators where they build; others through the model's "
-                        "forward), graph (the whole step as one CUDA graph, replayed per token), compiled (the CPU "
+                        "step for Llama-family models, core/decode, on kvchat's operators where they build; others "
+                        "through the model's forward), graph (the whole step as one CUDA graph, replayed per token), compiled (the CPU "
                         "step as one torch.compile graph: a minute or two to compile the first time; on CUDA the "
                         "graph step's layers compiled first), triton (CUDA: the graph step's layers in kvchat's "
                         "Triton kernels), model (every step through the model's forward; default auto)")

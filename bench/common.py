@@ -110,3 +110,20 @@ class Run:
 
     def failed(self) -> list[str]:
         return [f"{c['check']} ({c['detail']})" for c in self.checks if not c["ok"]]
+
+
+def _bytes(*paths: Path) -> int:
+    return sum(f.stat().st_size for p in paths for f in ([p] if p.is_file() else p.rglob("*") if p.is_dir() else [])
+               if f.is_file())
+
+
+DISK = ("sqlite", "rows", "state", "digests")  # what a stored conversation keeps, sampled after every turn
+
+
+def disk(store, session) -> tuple[int, ...]:
+    """Bytes on disk: SQLite (with its WAL), the cache's rows, the state file(s), recall's digests."""
+    if store is None:
+        return (0,) * len(DISK)
+    folder = session.files.folder
+    return (_bytes(store.path, Path(f"{store.path}-wal")), _bytes(folder / "rows.bin"),
+            _bytes(*folder.glob("state-*")), _bytes(folder / "digests"))

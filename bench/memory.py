@@ -27,7 +27,7 @@ from pathlib import Path
 from ..core.engine.session import Session, rss_mb
 from ..core.engine.settings import Settings
 from ..storage.db import Store
-from .common import Run, data_dir, fastchat_pairs, log, read_text, save_figure
+from .common import DISK, Run, data_dir, disk, fastchat_pairs, log, read_text, save_figure
 
 NAME = "memory"
 TITLE = "Memory"
@@ -61,21 +61,6 @@ def slope_per_1000(xs: list[float], ys: list[float]) -> float:
     return 1000 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
 
 
-def _bytes(*paths: Path) -> int:
-    return sum(f.stat().st_size for p in paths for f in ([p] if p.is_file() else p.rglob("*") if p.is_dir() else [])
-               if f.is_file())
-
-
-DISK = ("sqlite", "rows", "state", "digests")  # what a stored conversation keeps, sampled after every turn
-
-
-def disk(store, session) -> tuple[int, ...]:
-    """Bytes on disk: SQLite (with its WAL), the cache's rows, the state file(s), recall's digests."""
-    if store is None:
-        return (0,) * len(DISK)
-    folder = session.files.folder
-    return (_bytes(store.path, Path(f"{store.path}-wal")), _bytes(folder / "rows.bin"),
-            _bytes(*folder.glob("state-*")), _bytes(folder / "digests"))
 
 
 def replay(cm, settings: Settings, pairs: list[tuple[str, str]], turns: int, args, prompt: str,

@@ -328,7 +328,7 @@ def markdown(res: dict) -> str:
                          if "roofline_ratio" in r else
                          f"| {r['budget']} | {label} | {ms:.3f} | {1000 / ms:.0f} | | | | |")
         profiled = [kernels.line(name, _label(r), r) for r in entry["rows"] if r.get("kernels")]
-        profiled += [kernels.compression_line(name, _label(r), r["compress_profile"]) for r in entry["rows"]
+        profiled += [kernels.profile_line(name, _label(r), r["compress_profile"]) for r in entry["rows"]
                      if r.get("compress_profile")]
         lines += [""] + profiled if profiled else []
         compiles = [c for r in entry["rows"] if r.get("step") == "compiled" for c in r.get("capture_ms", [])]
@@ -348,7 +348,7 @@ def markdown(res: dict) -> str:
                       ", ".join(f"turn {k}: {v:.0f} MiB" for k, v in above_base(chat).items())]
             if chat.get("turn_profile"):
                 t = chat["turn_profile"]
-                lines.append(kernels.compression_line(name, f"turn {t['turn']}", t, "a chat turn") + f" Its TTFT "
+                lines.append(kernels.profile_line(name, f"turn {t['turn']}", t, "a chat turn") + f" Its TTFT "
                              f"{t['ttft_ms']:.1f} ms, recall {t['recall_ms'] or 0:.1f} ms ("
                              + (f"{t['recalled_tokens']} tokens recalled" if t["recalled_tokens"] else
                                 "what it brought back declined" if t["declined"] else "nothing brought back")

@@ -33,7 +33,7 @@ from ..core.engine.settings import Settings
 from ..storage.db import Store
 from . import speed_cuda_baselines as baselines
 from . import speed_cuda_kernels as kernels
-from .common import log
+from .common import disk, log
 
 CHAT_REPLY = 8  # tokens generated per turn of the chat
 MESSAGE = 24  # tokens of a turn's user message
@@ -136,10 +136,9 @@ def _chat(session: Session, folder: Path, budget: int, turns: list[int], prompts
           device: str, out: dict, saved) -> None:
     cm = session.model
     ttft, peaks = out.setdefault("ttft", []), out.setdefault("peak_mb", {})
-    disk, pace = out.setdefault("disk_mb", {}), out.setdefault("turn_s", {})
+    on_disk, pace = out.setdefault("disk_mb", {}), out.setdefault("turn_s", {})
     gc.collect()  # the grids' steps and sessions freed now, not during the chat (seen: turn 100 below the base)
     base = torch.cuda.memory_allocated() / 2**20 if device == "cuda" else 0.0  # weights, other models
-    out.setdefault("base_mb", base)  # the first run's
     out.setdefault("runs", []).append({"from_turn": session.turn, "base_mb": base})
     last = max(max(turns), replay_turns)
     since, t0 = session.turn, time.perf_counter()
@@ -174,12 +173,12 @@ def _chat(session: Session, folder: Path, budget: int, turns: list[int], prompts
             continue
         if device == "cuda":
             peaks[nxt] = torch.cuda.max_memory_allocated() / 2**20
-        disk[nxt] = (session.disk_bytes + _file_bytes(folder / "chat.db")) / 2**20
+        on_disk[nxt] = sum(disk(session.store, session)) / 2**20
         if session.turn > since:  # the turns timed since the last watched one (not a TTFT's, not the profiled)
             pace[nxt] = (time.perf_counter() - t0) / (session.turn - since)
         since, t0 = session.turn, time.perf_counter()
         log(f"speed-cuda {cm.name} chat: turn {session.turn}, {session.total_tokens} tokens, "
-            f"{1000 * pace.get(nxt, 0):.0f} ms a turn, {disk[nxt]:.1f} MB on disk"
+            f"{1000 * pace.get(nxt, 0):.0f} ms a turn, {on_disk[nxt]:.1f} MB on disk"
             + (f", peak {peaks[nxt]:.0f} MiB" if nxt in peaks else ""))
         save_notes(folder, session, budget, out)
         saved()
@@ -196,17 +195,9 @@ def profiled_turn(session: Session, message: str, device: str) -> dict:
             "recalled_tokens": res.recalled_tokens, "declined": bool(res.recall_declined), **prof}
 
 
-def _file_bytes(path: Path) -> int:
-    """A SQLite database's bytes, its write-ahead log included."""
-    return sum(p.stat().st_size for p in (path, path.with_name(path.name + "-wal")) if p.is_file())
-
-
 def above_base(chat: dict) -> dict[int, float]:
-    """Each watched turn's peak GPU memory above what its run had allocated before the chat (the weights)."""
-    runs = sorted(chat.get("runs") or [{"from_turn": 0, "base_mb": chat.get("base_mb", 0.0)}],
-                  key=lambda r: r["from_turn"])
-    out = {}
-    for turn, peak in chat.get("peak_mb", {}).items():
-        base = [r["base_mb"] for r in runs if r["from_turn"] < int(turn)]
-        out[int(turn)] = peak - (base[-1] if base else runs[0]["base_mb"])
-    return out
+    """Each watched turn's peak GPU memory above what its run had allocated before the chat (the weights; ``runs``
+    in the order they ran; a chat measured before runs were kept has one ``base_mb``)."""
+    runs = chat.get("runs") or [{"from_turn": 0, "base_mb": chat.get("base_mb", 0.0)}]
+    return {int(turn): peak - next(r["base_mb"] for r in reversed(runs) if r["from_turn"] < int(turn))
+            for turn, peak in chat.get("peak_mb", {}).items()}

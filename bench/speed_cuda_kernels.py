@@ -138,8 +138,9 @@ def profile_call(fn, device: str) -> dict:
             "top_host": [{"name": k, "count": n, "us": t} for k, (n, t) in top]}
 
 
-def compression_line(name: str, label: str, prof: dict, what: str = "a compression") -> str:
-    """One line of the report for a row's ``compress_profile`` (or another ``profile_call``: ``what``)."""
+def profile_line(name: str, label: str, prof: dict, what: str = "a compression") -> str:
+    """One line of the report for a ``profile_call``'s result (``what`` it profiled: a row's ``compress_profile``, the
+    chat's ``turn_profile``)."""
     top = ", ".join(f"{k['name'][6:]} {k['us']:.0f} µs ×{k['count']}" for k in prof["top_host"][:5])
     return (f"{name} {label}: {what} {prof['wall_ms']:.1f} ms, {prof['kernels']} kernels "
             f"{prof['kernel_us'] / 1000:.2f} ms on the device, {prof['waits']} waits for it, {prof['host_ops']} host "

@@ -154,7 +154,8 @@ def _logits(q: torch.Tensor, keys: torch.Tensor, scale: float, reps: int = 1) ->
 def _blocked_shares(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
     """``_shares(q, keys, scale, 1, rough=True)`` (``keys``: one per group, in memory, moved to ``q``'s device a
     ``BLOCK`` of groups at a time) in memory that does not grow with the groups: past one block, each row's softmax
-    normaliser is summed block by block first (log-sum-exp), then each block's shares are taken against it."""
+    normaliser is summed block by block first (log-sum-exp), then each block's shares are taken against it (in
+    fp32, where one block's may be taken in bf16: the coarse pass only ranks)."""
     groups = keys.shape[1]
     if groups <= BLOCK:
         return _shares(q, keys.to(q.device), scale, 1, rough=True)
