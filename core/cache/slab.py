@@ -42,7 +42,7 @@ class Slab:
         key = f"stat.{name}"
         if key not in self.bases:
             self.bases[key] = torch.zeros(self.size, device=layer.device)
-        _, start = _where(layer, "keys", layer.keys)
+        _, start = where(layer, "keys", layer.keys)
         return self.bases[key][start: start + layer.keys.shape[0]].zero_()
 
 
@@ -99,7 +99,7 @@ def move(layers, index: list[torch.Tensor], kept: list[list[int]], rotary=None, 
             if name not in slots[li]:  # a statistic this layer does not keep
                 runs.append((None, None, []))
                 continue
-            src, s0 = _where(layer, name, slots[li][name])
+            src, s0 = where(layer, name, slots[li][name])
             dst, d0 = (targets[li][0].bases[name], targets[li][0].starts[targets[li][1]]) if fresh else (src, s0)
             if runs and runs[-1][0] is src and runs[-1][1] is dst:
                 runs[-1][2].append((li, s0, d0))
@@ -143,7 +143,7 @@ def on_host(layers, names) -> list[dict[str, torch.Tensor]]:
         mine = {}
         for name, t in layer.per_slot().items():
             if name in names:
-                base, start = _where(layer, name, t)
+                base, start = where(layer, name, t)
                 if id(base) not in copies:
                     copies[id(base)] = base.cpu()
                 mine[name] = copies[id(base)][start: start + t.shape[0]]
@@ -166,7 +166,7 @@ def _indices(layers, members, flat, width, kept, caps, first_row, next_pos):
     return flat.view(-1).index_select(0, host[0]) + host[1], host[2], host[3]
 
 
-def _where(layer, name: str, t: torch.Tensor) -> tuple[torch.Tensor, int]:
+def where(layer, name: str, t: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The tensor a layer's per-slot tensor ``t`` (named ``name``) is a view of (its slab's, else itself) and its first
     row there."""
     slab = layer.slab
@@ -182,7 +182,7 @@ def in_slabs(layers) -> bool:
     layer's slab, and each slab holding the rows of the layers ``allocate`` would give it, nothing else."""
     for layer in layers:
         for name, t in layer.per_slot().items():
-            base, _ = _where(layer, name, t)
+            base, _ = where(layer, name, t)
             if layer.slab is None or base is not layer.slab.bases.get(name):
                 return False
     # each run's slab holds exactly its layers' rows (a layer in another slab leaves it short or long)

@@ -19,7 +19,9 @@ import numpy as np
 import torch
 
 from ...policies import make_policy
+from ..cache import snapshot
 from ..cache.compress import Evictions
+from ..cache.snapshot import CacheCopy
 from .settings import Settings
 
 
@@ -28,7 +30,7 @@ class Checkpoint:
     settings: Settings
     policy_state: dict
     capacity: int | None
-    cache: dict[str, torch.Tensor]
+    cache: CacheCopy
     observer: dict[str, torch.Tensor]
     log_n: int
     sentence: tuple[int, bool]
@@ -56,7 +58,7 @@ class Checkpoint:
         return cls(
             settings=session.settings, policy_state=copy.deepcopy(session.policy.get_state()),
             capacity=session.cache.capacity,
-            cache={k: t.clone() for k, t in session.cache.state_tensors().items()},
+            cache=snapshot.take(session.cache),
             observer={k: t.clone() for k, t in observer.state_tensors().items()} if observer is not None else {},
             log_n=session.log.n, sentence=session.log.sentence, messages=[dict(m) for m in session.messages],
             turn=session.turn, history=list(session.history), evictions=copy.deepcopy(session.evictions),
@@ -75,11 +77,11 @@ class Checkpoint:
         session.settings, session.policy = self.settings, make_policy(self.settings.policy, **self.settings.params)
         session.policy.set_state(self.policy_state)
         cache = session.cache  # written back in place where it can be (the graph step's capture over it stays valid)
-        if cache.capacity != self.capacity or any(layer.is_initialized and f"{i}.caps" not in self.cache
+        held = self.cache.layers
+        if cache.capacity != self.capacity or any(layer.is_initialized and i not in held
                                                   for i, layer in enumerate(cache.layers)):
             session.cache = cache = session.new_cache(self.capacity)
-        if self.cache:
-            cache.load_state_tensors(self.cache)
+        self.cache.put_back(cache)
         session.observer = session.make_observer(session.policy)
         if session.observer is not None and self.observer:
             session.observer.load_state_tensors(self.observer, model.device)
@@ -100,8 +102,7 @@ class Checkpoint:
 
     def rows_named(self) -> np.ndarray:
         """The storage rows the copy's slots name (core/engine/persist.py keeps them until the copy is gone)."""
-        named = [t for key, t in self.cache.items() if key.endswith(".rows")]
-        return torch.cat(named).cpu().numpy() if named else np.zeros(0, dtype=np.int64)
+        return self.cache.rows_named()
 
 
 @dataclass

@@ -111,7 +111,7 @@ def plan(session, tap: QueryTap, message: torch.Tensor) -> dict:
         wanted = fuse(attention, words) * (attention >= s.recall_threshold)
         held = held_share(session.cache, spans)
         content = digests_store.has_content(spans, session.log, session.model.scaffolding_ids())
-        text = lambda g: tuple(ids[spans[g, 0]:spans[g, 1]].tolist())  # noqa: E731
+        text = group_text(ids, spans)
         pool = rerank.pool_size(s.recall_rerank, session.model.device)
         if pool:
             wanted = reranked(session.model, wanted, held, content, text, message, pool)
@@ -149,6 +149,13 @@ def reranked(cm, wanted: torch.Tensor, held: torch.Tensor, content: torch.Tensor
         gain = rerank.gains(cm, strip(message.long()), [strip(torch.tensor(text(g))) for g in picked])
         out[torch.tensor(picked)] = gain.clamp(min=0).to(out.dtype)
     return out
+
+
+def group_text(ids: torch.Tensor, spans: torch.Tensor):
+    """group -> its token ids as a tuple, read through numpy: called for every held group twice a message, where
+    slicing the tensors took two operations and two scalar reads a group."""
+    tokens, bounds = ids.numpy(), spans.numpy()
+    return lambda g: tuple(tokens[bounds[g, 0]:bounds[g, 1]].tolist())
 
 
 def held_texts(held: torch.Tensor, content: torch.Tensor, text) -> set:
