@@ -1,9 +1,10 @@
-"""Count the torch operations and host syncs of one compression (or of recall's put-back) on a tiny random Llama, at
-several numbers of layers: what a compression launches on a GPU, counted on any machine (docs/gpu.md, compressions in
-slabs).
+"""Count the torch operations and host syncs of one compression (or of recall's put-back, or of an undo copy taken
+and put back) on a tiny random Llama, at several numbers of layers: what it launches on a GPU, counted on any machine
+(docs/gpu.md, compressions in slabs).
 
     .venv/bin/python scripts/compression_ops.py --layers 2 4 8 --policies streaming h2o snapkv tova cake headaware
     .venv/bin/python scripts/compression_ops.py --reorder --policies h2o
+    .venv/bin/python scripts/compression_ops.py --undo --layers 2 8 16
 
 Operations are aten calls without views; syncs are the calls that wait for a GPU (``equal``, ``item``, ``unique``,
 indexing by a boolean mask). Needs the default model's tokenizer (``kvchat`` converts it on first use).
@@ -19,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
 from kvchat.core.cache import compress
+from kvchat.core.engine.checkpoint import Checkpoint
 from kvchat.core.engine.session import Sampling, Session
 from kvchat.core.engine.settings import Settings
 from kvchat.core.model import loading
@@ -44,7 +46,7 @@ class Counter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count(tokenizer, layers: int, policy: str, reorder: bool) -> Counter:
+def count(tokenizer, layers: int, policy: str, reorder: bool, undo: bool = False) -> Counter:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096)
@@ -60,7 +62,9 @@ def count(tokenizer, layers: int, policy: str, reorder: bool) -> Counter:
         session.read_again(bring)
     counter = Counter()
     with counter:
-        if reorder:
+        if undo:  # the copy every turn takes for undo, and recall takes when its gate declines, put back
+            Checkpoint.capture(session).restore(session)
+        elif reorder:
             compress.reorder(session, bring)
         else:
             compress.compress(session, 64, "decode")
@@ -72,10 +76,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--policies", nargs="+", default=["streaming", "h2o", "snapkv", "tova", "cake", "headaware"])
     parser.add_argument("--reorder", action="store_true", help="count recall's put-back instead of a compression")
+    parser.add_argument("--undo", action="store_true", help="count an undo copy taken and put back instead")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(loading.default_model_dir())
     for policy in args.policies:
-        counts = [count(tokenizer, n, policy, args.reorder) for n in args.layers]
+        counts = [count(tokenizer, n, policy, args.reorder, args.undo) for n in args.layers]
         ops = " / ".join(str(sum(c.ops.values())) for c in counts)
         syncs = " / ".join(str(c.syncs) for c in counts)
         print(f"{policy:10s} layers {' / '.join(map(str, args.layers))}: operations {ops}, syncs {syncs}")
