@@ -206,12 +206,15 @@ class KVCache(Cache):
 
             fields = {name: torch.stack([padded(name, h) for h in heads]) for name in names}
             data = read(i, fields["rows"])
-            fields["k0"], fields["values"] = data[..., :kdim], data[..., kdim:]
+            # on the device, where the live cache rotated them: a GPU's cos and sin may differ from the CPU's in the
+            # last bit, and the reopened keys are to be the live ones bit for bit
+            fields = {name: t.to(device) for name, t in fields.items()}
+            fields["k0"], fields["values"] = data[..., :kdim].to(device), data[..., kdim:].to(device)
             if rotary is None:
                 fields["keys"] = fields["k0"]
             else:
                 target = fields["abs_pos"].long() if original else \
-                    torch.tensor(pos_off)[:, None] + torch.arange(width)[None, :]
+                    (torch.tensor(pos_off)[:, None] + torch.arange(width)[None, :]).to(device)
                 fields["keys"] = rotary.rotate(fields["k0"], target - fields["computed"].long())
             layer.start(dtype, device, kdim, vdim)
             layer.fill(caps, fields, lens, pos_off)
