@@ -253,6 +253,20 @@ def test_captured_graph_survives_compressions_and_recaptures_on_a_budget_change(
 
 @cuda
 @pytest.mark.cuda
+def test_captured_graph_stays_valid_through_an_undo(tokenizer):
+    """Undo puts the copied slots back into the same buffers (core/cache/snapshot.py): the graph is not captured
+    again, and the turn asked again gets the same reply."""
+    _, graph = _pair("llama", tokenizer, device="cuda", dtype=torch.bfloat16)
+    session = Session(graph, Settings(policy="h2o", budget=48, window=8, slack=8), sampling=GREEDY, undo=True)
+    session.chat(MESSAGES[0])
+    first = session.chat(MESSAGES[1]).answer
+    assert session.evicted_total > 0
+    session.undo()
+    assert session.chat(MESSAGES[1]).answer == first and graph.step.captures == 1
+
+
+@cuda
+@pytest.mark.cuda
 def test_sampler_on_the_gpu_reads_back_only_the_token(tokenizer):
     logits = torch.randn(1000, device="cuda")
     gen = torch.Generator().manual_seed(3)
