@@ -21,7 +21,6 @@ import torch
 from ...policies import make_policy
 from ..cache import snapshot
 from ..cache.compress import Evictions
-from ..cache.snapshot import CacheCopy
 from .settings import Settings
 
 
@@ -30,7 +29,7 @@ class Checkpoint:
     settings: Settings
     policy_state: dict
     capacity: int | None
-    cache: CacheCopy
+    cache: snapshot.CacheCopy
     observer: dict[str, torch.Tensor]
     log_n: int
     sentence: tuple[int, bool]
