@@ -6,7 +6,8 @@ first budget, recall and the rest as the defaults have them). At turns ``--ttft-
 ``--ttft-prompts`` tokens are timed instead (their replies one token). Turn 100, every ``WATCH``-th turn and the last
 are watched: the peak GPU memory allocated while the turn ran, the bytes the conversation keeps on disk (database,
 rows, state, recall's digests) and the mean wall time of a turn since the last watched one. Turn ``PROFILE_TURN``
-(past the budget: recall at work) runs under PyTorch's profiler (``turn_profile``).
+(past the budget: recall at work) runs under PyTorch's profiler (``turn_profile``, with the host time of each of
+the turn's stages: core/engine/turns.py).
 
 The conversation is stored (``chat.db`` and its archive folder) in ``--chat-store`` where given, with what was
 measured so far in ``chat.json`` beside it: a run stopped by its time limit (a GPU lease's call) is continued by

@@ -17,6 +17,7 @@ from collections import defaultdict
 import torch
 
 from ..core.cache import compress
+from ..core.engine.turns import STAGES
 
 from .speed_cuda_baselines import sync
 
@@ -124,24 +125,30 @@ def profile_call(fn, device: str) -> dict:
         wall = time.perf_counter() - t
     kernels = _kernels(prof, True) if device == "cuda" else {}
     host = defaultdict(lambda: [0, 0.0])
-    waits = 0
+    waits, stages = 0, {}
     for e in prof.key_averages():
         if e.device_type == torch.autograd.DeviceType.CPU:
             waits += e.count if e.key in WAITS else 0
             if e.key.startswith("aten::") and e.self_cpu_time_total > 0:
                 host[e.key][0] += e.count
                 host[e.key][1] += e.self_cpu_time_total
+            if e.key in STAGES:  # the turn's stages (core/engine/turns.py): their host time, waits included
+                stages[e.key] = {"count": e.count, "ms": e.cpu_time_total / 1000}
     top = sorted(host.items(), key=lambda kv: -kv[1][1])[:TOP]
     return {"wall_ms": 1000 * wall, "kernels": sum(n for n, _ in kernels.values()),
             "kernel_us": sum(t for _, t in kernels.values()), "waits": waits,
             "host_ops": sum(n for n, _ in host.values()), "host_us": sum(t for _, t in host.values()),
-            "top_host": [{"name": k, "count": n, "us": t} for k, (n, t) in top]}
+            "top_host": [{"name": k, "count": n, "us": t} for k, (n, t) in top],
+            "stages": dict(sorted(stages.items(), key=lambda kv: -kv[1]["ms"]))}
 
 
 def profile_line(name: str, label: str, prof: dict, what: str = "a compression") -> str:
     """One line of the report for a ``profile_call``'s result (``what`` it profiled: a row's ``compress_profile``, the
     chat's ``turn_profile``)."""
     top = ", ".join(f"{k['name'][6:]} {k['us']:.0f} µs ×{k['count']}" for k in prof["top_host"][:5])
+    stages = ", ".join(f"{k[7:]} {v['ms']:.1f} ms" + (f" ×{v['count']}" if v["count"] > 1 else "")
+                       for k, v in prof.get("stages", {}).items())
     return (f"{name} {label}: {what} {prof['wall_ms']:.1f} ms, {prof['kernels']} kernels "
             f"{prof['kernel_us'] / 1000:.2f} ms on the device, {prof['waits']} waits for it, {prof['host_ops']} host "
-            f"operators {prof['host_us'] / 1000:.2f} ms of their own; the longest: {top}.")
+            f"operators {prof['host_us'] / 1000:.2f} ms of their own; the longest: {top}."
+            + (f" Its stages: {stages}." if stages else ""))

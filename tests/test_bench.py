@@ -166,6 +166,12 @@ def test_gpu_bench_chat_stopped_and_continued_is_the_chat_run_at_once(default_di
     prof = second["turn_profile"]
     assert prof["turn"] == 7 and prof["host_ops"] > 100 and prof["kernels"] == 0 and len(prof["top_host"]) == 8
     assert prof["recall_ms"] > 0 and prof["ttft_ms"] > 0 and once["turn_profile"]["turn"] == 7
+    # and where its time went: the turn's stages, each timed (the reply's tokens one by one)
+    stages = prof["stages"]
+    assert {"kvchat.message", "kvchat.recall.plan", "kvchat.prefill", "kvchat.token", "kvchat.closing",
+            "kvchat.commit"} <= set(stages) and all(v["ms"] > 0 for v in stages.values())
+    assert stages["kvchat.token"]["count"] == chat.CHAT_REPLY
+    assert sum(v["ms"] for v in stages.values()) < prof["wall_ms"]  # none inside another
 
     def tokens(folder):
         store = Store(folder / "chat.db")

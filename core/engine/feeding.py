@@ -16,7 +16,7 @@ from .checkpoint import Checkpoint, ReadMark
 from ..cache.observe import Observer
 from ..recall.score import QueryTap
 from .tokens import encode
-from .turns import TurnResult
+from .turns import TurnResult, stage
 
 
 class Feeding:
@@ -50,22 +50,27 @@ class Feeding:
             t = time.perf_counter()
             before = ReadMark.capture(self, len(segments[0][0])) or Checkpoint.capture(self)
             marking = 1000 * (time.perf_counter() - t)
-            head = self._feed(segments[:1], want_logprobs=want_logprobs, tap=tap, tail=gate.TAIL, more=rest)
-            found = recall.plan(self, tap, torch.as_tensor(segments[0][0]))
+            with stage("kvchat.message"):  # the stages of a profiled turn (turns.STAGES)
+                head = self._feed(segments[:1], want_logprobs=want_logprobs, tap=tap, tail=gate.TAIL, more=rest)
+            with stage("kvchat.recall.plan"):
+                found = recall.plan(self, tap, torch.as_tensor(segments[0][0]))
             found["recall_ms"] += marking  # what recall adds to every message: the mark, the scoring, the put-back
             if found["recalled"]:
-                head = self._read_with(segments[:1], want_logprobs, before, found, head, rest)
+                with stage("kvchat.recall.back"):
+                    head = self._read_with(segments[:1], want_logprobs, before, found, head, rest)
             for key in ("recalled_tokens", "recalled_groups", "recalled", "recall_ms"):
                 setattr(res, key, found[key])
             res.recall_declined, res.recall_gain = found.get("declined", []), found.get("recall_gain")
-            out = self._feed(segments[1:], want_logprobs=want_logprobs, first=self.carry)
+            with stage("kvchat.prefill"):
+                out = self._feed(segments[1:], want_logprobs=want_logprobs, first=self.carry)
             if want_logprobs:  # one sequence of scores, as if fed at once: the boundary token scored by head's logits
                 nxt = segments[1][0][0]
                 lp = torch.log_softmax(head[0].float().cpu(), -1)[nxt]
                 out = (out[0], torch.cat([head[1], lp[None], out[1]]),
                        torch.cat([head[2], torch.tensor([int(head[0].argmax()) == nxt]), out[2]]))
         else:
-            out = self._feed(segments, want_logprobs=want_logprobs)
+            with stage("kvchat.prefill"):
+                out = self._feed(segments, want_logprobs=want_logprobs)
         res.prefill_ms = 1000 * (time.perf_counter() - t0)
         res.prompt_tokens = sum(len(ids) for ids, _ in segments)
         return out

@@ -12,7 +12,7 @@ import torch
 
 from .sampling import Sampler
 from .tokens import Detokenizer
-from .turns import TurnResult
+from .turns import TurnResult, stage
 
 CLOSING_RESERVE = 8  # positions kept free at a hard position limit for the tokens that close a reply
 
@@ -51,7 +51,7 @@ class Generation:
         stopped = None
         try:
             while True:
-                with self._lock:
+                with self._lock, stage("kvchat.token"):  # the stages of a profiled turn (turns.STAGES)
                     t = time.perf_counter()
                     # The token just picked is fed before the host reads it where the step takes it on the device:
                     # the device computes the next step while the host streams this token (every sampled token is
@@ -68,7 +68,7 @@ class Generation:
                     delta = detok.push(token)
                 if delta:
                     yield delta
-                with self._lock:
+                with self._lock, stage("kvchat.token.next"):
                     t = time.perf_counter()
                     if self._cancel.is_set():
                         stopped = "cancelled"
@@ -131,11 +131,12 @@ class Generation:
             closing = closing[len(eos_text):] if eos_last and closing.startswith(eos_text) else closing
         # The last sampled token is fed as a step of its own, as the loop feeds every token (or was, ahead of the
         # host: ``_feed_ahead``), then the closing: the same chunks, so the same compressions, either way.
-        if reply.fed < len(generated):
-            self._feed([(generated[-1:], reply.reply_idx)], continue_message=True)
         closing_ids = self._encode(closing)
-        if closing_ids:
-            self._feed([(closing_ids, reply.reply_idx)], continue_message=True)
+        with stage("kvchat.closing"):
+            if reply.fed < len(generated):
+                self._feed([(generated[-1:], reply.reply_idx)], continue_message=True)
+            if closing_ids:
+                self._feed([(closing_ids, reply.reply_idx)], continue_message=True)
         res.new_tokens = len(generated)
         res.answer, res.stopped = content, stopped
         res.decode_ms_per_token = 1000 * reply.decode_s / reply.fed if reply.fed else None

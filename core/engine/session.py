@@ -33,7 +33,7 @@ from .reading import SessionReads
 from .settings import Sampling, Settings
 from .tokens import ROLES, TokenLog, check_text, encode_with_offsets
 from ...storage.db import now_iso
-from .turns import ContextFullError, TurnResult
+from .turns import ContextFullError, TurnResult, stage
 
 __all__ = ["CLOSING_RESERVE", "ROLES", "ContextFullError", "Sampling", "Session", "Settings", "TurnResult",
            "check_text", "memory_mb", "peak_rss_mb", "rss_mb"]
@@ -344,12 +344,14 @@ class Session(Feeding, Generation, SessionReads):
         res.warnings = list(self._warnings)
         self.recall_guard, self.recall_release = self.recall_guard[:0], False
         if self.digests is not None and self.digests.active:
-            self.digests.add(self.cache, self.log, self.model.scaffolding_ids())
+            with stage("kvchat.digests"):  # the stages of a profiled turn (turns.STAGES)
+                self.digests.add(self.cache, self.log, self.model.scaffolding_ids())
         res.archive_bytes = self.archive_bytes
         self.history.append(res)
         record = persist.turn_record(self, res, messages)
         self.turn += 1
-        persist.commit(self, record)
+        with stage("kvchat.commit"):
+            persist.commit(self, record)
         res.disk_bytes = record["stats"].get("disk_bytes")
         return res
 
