@@ -14,7 +14,7 @@ STAGES = {
     "kvchat.message": "a user message read first, its queries kept for recall",
     "kvchat.recall.plan": "recall's scoring and choice, the re-ranking's forward included",
     "kvchat.recall.back": "the chosen text read back, the message read again, the gate, the way back where declined",
-    "kvchat.prefill": "a turn's tokens read (all of them without recall; after it, the reply's header)",
+    "kvchat.prefill": "a turn's tokens read (all of them without recall; after it, what follows the message)",
     "kvchat.token": "a reply token: the step run ahead on the device, and the host reading the token",
     "kvchat.token.next": "a token the step could not run ahead of, fed once read; the next token picked",
     "kvchat.closing": "the reply's last token and the template's closing tokens read",
