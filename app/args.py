@@ -30,10 +30,10 @@ def _model_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decode", default="auto", choices=DECODE,
                    help="one-token steps: auto (on CUDA the graph step in Triton's kernels; on the CPU kvchat's "
                         "step for Llama-family models, core/decode, on kvchat's operators where they build; others "
-                        "through the model's forward), graph (the whole step as one CUDA graph, replayed per token), compiled (the CPU "
-                        "step as one torch.compile graph: a minute or two to compile the first time; on CUDA the "
-                        "graph step's layers compiled first), triton (CUDA: the graph step's layers in kvchat's "
-                        "Triton kernels), model (every step through the model's forward; default auto)")
+                        "through the model's forward), graph (the whole step as one CUDA graph, replayed per token), "
+                        "compiled (the CPU step as one torch.compile graph: a minute or two to compile the first "
+                        "time; on CUDA the graph step's layers compiled first), triton (CUDA: the graph step's layers "
+                        "in kvchat's Triton kernels), model (every step through the model's forward; default auto)")
     g.add_argument("--device-map", default=None, help="e.g. auto: spread a large model over devices (accelerate)")
     g.add_argument("--chat-template", default=None, help="'plain' or a Jinja file, for models without a template")
     g.add_argument("--db", default=None, help="SQLite database (default: $KVCHAT_HOME/kvchat.db)")

@@ -61,8 +61,6 @@ def slope_per_1000(xs: list[float], ys: list[float]) -> float:
     return 1000 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
 
 
-
-
 def replay(cm, settings: Settings, pairs: list[tuple[str, str]], turns: int, args, prompt: str,
            folder: Path | None = None) -> dict:
     from .speed import timed_turn

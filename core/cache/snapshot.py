@@ -97,21 +97,16 @@ class CacheCopy:
 
 def take(cache) -> CacheCopy:
     """A copy of every held slot of ``cache``'s initialized layers: one ``index_select`` per tensor of each slab."""
-    parts, run = [], []
+    runs: list[tuple[object, list[int]]] = []  # (slab, consecutive layers whose tensors are its rows)
     for i, layer in enumerate(cache.layers):
         if not layer.is_initialized:
             continue
-        base = _slab_of(layer)
-        if run and (base is None or base is not _slab_of(cache.layers[run[-1]])):
-            parts.append(_part(cache, run))
-            run = []
-        run.append(i)
-        if base is None:  # a layer whose tensors are not its slab's rows: a part of its own
-            parts.append(_part(cache, run))
-            run = []
-    if run:
-        parts.append(_part(cache, run))
-    return CacheCopy(parts)
+        slab = _slab_of(layer)
+        if slab is not None and runs and runs[-1][0] is slab:
+            runs[-1][1].append(i)
+        else:  # a new slab, or a layer whose tensors are not its slab's rows: a part of its own
+            runs.append((slab, [i]))
+    return CacheCopy([_part(cache, slab, members) for slab, members in runs])
 
 
 def _slab_of(layer):
@@ -125,9 +120,8 @@ def _slab_of(layer):
     return slab
 
 
-def _part(cache, members: list[int]) -> Part:
+def _part(cache, slab, members: list[int]) -> Part:
     layers = [cache.layers[i] for i in members]
-    slab = _slab_of(layers[0])
     if slab is not None:
         bases = slab.bases
         starts = [slabs.where(layer, "keys", layer.keys)[1] for layer in layers]
