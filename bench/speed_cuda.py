@@ -344,8 +344,10 @@ def markdown(res: dict) -> str:
                                                + (f" ({t['compressions']} compressions: {t['compress_ms']:.1f} ms)"
                                                   if t.get("compressions") else "")
                                                for t in chat["ttft"]),
-                      "Peak GPU memory of a chat turn above the weights (allocated before the chat): " +
-                      ", ".join(f"turn {k}: {v:.0f} MiB" for k, v in above_base(chat).items())]
+                      "Peak GPU memory of a chat turn above the weights (allocated before the chat)"
+                      + (", and what stayed allocated after it" if chat.get("held_mb") else "") + ": "
+                      + ", ".join(f"turn {k}: {v:.0f} MiB" + (f" ({held[k]:.0f})" if k in held else "")
+                                  for held in [above_base(chat, "held_mb")] for k, v in above_base(chat).items())]
             if chat.get("turn_profile"):
                 t = chat["turn_profile"]
                 lines.append(kernels.profile_line(name, f"turn {t['turn']}", t, "a chat turn") + f" Its TTFT "

@@ -4,7 +4,7 @@ turn over thousands of turns, in a conversation stored as the app stores one.
 Each turn is a user message of 24 random tokens and a reply of ``CHAT_REPLY`` greedy tokens (``streaming`` at the
 first budget, recall and the rest as the defaults have them). At turns ``--ttft-turns`` messages of
 ``--ttft-prompts`` tokens are timed instead (their replies one token). Turn 100, every ``WATCH``-th turn and the last
-are watched: the peak GPU memory allocated while the turn ran, the bytes the conversation keeps on disk (database,
+are watched: the peak GPU memory allocated while the turn ran and what stayed allocated after it, the bytes the conversation keeps on disk (database,
 rows, state, recall's digests) and the mean wall time of a turn since the last watched one. Turn ``PROFILE_TURN``
 (past the budget: recall at work) runs under PyTorch's profiler (``turn_profile``, with the host time of each of
 the turn's stages: core/engine/turns.py).
@@ -12,13 +12,12 @@ the turn's stages: core/engine/turns.py).
 The conversation is stored (``chat.db`` and its archive folder) in ``--chat-store`` where given, with what was
 measured so far in ``chat.json`` beside it: a run stopped by its time limit (a GPU lease's call) is continued by
 the next run given the same folder, which reopens the conversation at its last saved turn, exactly, and adds its
-measurements to the earlier ones (``runs``: where each run started and what was allocated before its chat, the
-weights; memory is compared above that). Without it the conversation lives in a temporary folder.
+measurements to the earlier ones (``runs``: where each run started and what was allocated before it opened the
+conversation, with nothing cached or left over: the weights; memory is compared above that). Without it the conversation lives in a temporary folder.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import tempfile
@@ -29,6 +28,7 @@ from unittest import mock
 import torch
 
 from ..core.cache import compress
+from ..core.engine.procinfo import settled_gpu_mb
 from ..core.engine.session import Sampling, Session
 from ..core.engine.settings import Settings
 from ..storage.db import Store
@@ -80,7 +80,7 @@ def open_chat(cm, budget: int, folder: Path, out: dict) -> Session:
     store = Store(folder / "chat.db")
     greedy = Sampling(temperature=0.0)
     if kept is not None:
-        for key in ("peak_mb", "disk_mb", "turn_s"):
+        for key in ("peak_mb", "held_mb", "disk_mb", "turn_s"):
             kept["chat"][key] = {int(k): v for k, v in kept["chat"].get(key, {}).items()}
         out.update(kept["chat"])
         session = Session.resume(cm, store, kept["conversation_id"], sampling=greedy)
@@ -125,7 +125,11 @@ def chat_cell(cm, budget: int, turns: list[int], prompts: list[int], replay_turn
     keeps what it measured, the trend included). ``store``: the folder the chat is kept in, and continued from."""
     with tempfile.TemporaryDirectory(prefix="kvchat-chat-") as scratch:
         folder = Path(store) if store else Path(scratch)
+        # The grids' steps and sessions freed first, not during the chat (seen: turn 100 below the base); read
+        # before the conversation opens: a reopened one's cache is the chat's, as a new one's is.
+        base = settled_gpu_mb() if device == "cuda" else 0.0
         session = open_chat(cm, budget, folder, out)
+        out.setdefault("runs", []).append({"from_turn": session.turn, "base_mb": base})
         try:
             _chat(session, folder, budget, turns, prompts, replay_turns, device, out, saved)
         finally:
@@ -137,10 +141,7 @@ def _chat(session: Session, folder: Path, budget: int, turns: list[int], prompts
           device: str, out: dict, saved) -> None:
     cm = session.model
     ttft, peaks = out.setdefault("ttft", []), out.setdefault("peak_mb", {})
-    on_disk, pace = out.setdefault("disk_mb", {}), out.setdefault("turn_s", {})
-    gc.collect()  # the grids' steps and sessions freed now, not during the chat (seen: turn 100 below the base)
-    base = torch.cuda.memory_allocated() / 2**20 if device == "cuda" else 0.0  # weights, other models
-    out.setdefault("runs", []).append({"from_turn": session.turn, "base_mb": base})
+    on_disk, pace, held = out.setdefault("disk_mb", {}), out.setdefault("turn_s", {}), out.setdefault("held_mb", {})
     last = max(max(turns), replay_turns)
     since, t0 = session.turn, time.perf_counter()
     while session.turn < last:
@@ -174,6 +175,7 @@ def _chat(session: Session, folder: Path, budget: int, turns: list[int], prompts
             continue
         if device == "cuda":
             peaks[nxt] = torch.cuda.max_memory_allocated() / 2**20
+            held[nxt] = torch.cuda.memory_allocated() / 2**20
         on_disk[nxt] = sum(disk(session.store, session)) / 2**20
         if session.turn > since:  # the turns timed since the last watched one (not a TTFT's, not the profiled)
             pace[nxt] = (time.perf_counter() - t0) / (session.turn - since)
@@ -196,9 +198,10 @@ def profiled_turn(session: Session, message: str, device: str) -> dict:
             "recalled_tokens": res.recalled_tokens, "declined": bool(res.recall_declined), **prof}
 
 
-def above_base(chat: dict) -> dict[int, float]:
-    """Each watched turn's peak GPU memory above what its run had allocated before the chat (the weights; ``runs``
-    in the order they ran; a chat measured before runs were kept has one ``base_mb``)."""
+def above_base(chat: dict, key: str = "peak_mb") -> dict[int, float]:
+    """Each watched turn's peak GPU memory (``key``: or what stayed allocated after it, ``held_mb``) above what its
+    run had allocated before the chat (the weights; ``runs`` in the order they ran; a chat measured before runs were
+    kept has one ``base_mb``)."""
     runs = chat.get("runs") or [{"from_turn": 0, "base_mb": chat.get("base_mb", 0.0)}]
-    return {int(turn): peak - next(r["base_mb"] for r in reversed(runs) if r["from_turn"] < int(turn))
-            for turn, peak in chat.get("peak_mb", {}).items()}
+    return {int(turn): mb - next(r["base_mb"] for r in reversed(runs) if r["from_turn"] < int(turn))
+            for turn, mb in chat.get(key, {}).items()}

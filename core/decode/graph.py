@@ -132,6 +132,7 @@ class GraphStep(DecodeStep):
         self._lock = threading.Lock()  # sessions sharing the model in several threads: one capture or replay at a time
         self.captures = self.replays = self.eager_calls = 0
         self.capture_ms: list[float] = []
+        self._side = torch.cuda.Stream(device=self.device) if self.capture else None  # every capture's warm-up
 
     @staticmethod
     def unsupported(model: nn.Module) -> str | None:
@@ -314,11 +315,12 @@ class GraphStep(DecodeStep):
             return self._body(plan, cache)
 
     def _record(self, plan: _Plan, cache) -> None:
-        """Capture the step over this cache's buffers: one run on a side stream first (cuBLAS's workspaces and
-        the allocator warm up there), with the statistics it adds to put back, then the capture."""
+        """Capture the step over this cache's buffers: one run first on the step's side stream (cuBLAS's workspaces
+        and the allocator warm up there; cuBLAS keeps a workspace per stream for the process's life, 32 MiB on Hopper,
+        so a new stream per capture left one behind each time), the statistics it adds put back; then the capture."""
         t = time.perf_counter()
         saved = [(t_, t_.clone()) for layer in cache.layers for t_ in layer.stats.values()]
-        stream = torch.cuda.Stream(device=self.device)
+        stream = self._side
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             self._first(plan, cache)
@@ -326,10 +328,8 @@ class GraphStep(DecodeStep):
                 t_.copy_(copy)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # Each graph has its own memory pool, freed with it: one pool shared by every plan outlived the graphs of
-        # closed sessions, and capturing into it again failed inside the allocator (an H200, torch 2.11). No
-        # garbage collection while capturing (torch.cuda.graph collects just before): a tensor freed by the collector
-        # then would invalidate the capture.
+        # Each graph has its own pool, freed with it (a shared one outlived closed sessions' graphs and a capture into
+        # it failed: an H200, torch 2.11); no garbage collection while capturing: a tensor freed then breaks it.
         gc.disable()
         try:
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):

@@ -53,3 +53,20 @@ def rss_mb() -> float:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except (OSError, ValueError, IndexError):
         return peak_rss_mb()
+
+
+def settled_gpu_mb() -> float:
+    """MiB allocated on the current GPU by live tensors alone: garbage collected, and cuBLAS's workspaces (one per
+    stream that ran a product, kept for the process's life: 32 MiB each on Hopper) released, so that a process that
+    made them earlier and one that makes them later count them alike (what the GPU bench's chat compares above)."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.synchronize()
+    release = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # torch's own; no public name yet
+    if release is not None:
+        release()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated() / 2**20
