@@ -348,8 +348,7 @@ def markdown(res: dict) -> str:
                       + (", and what stayed allocated after it" if chat.get("held_mb") else "") + ": "
                       + ", ".join(f"turn {k}: {v:.0f} MiB" + (f" ({held[k]:.0f})" if k in held else "")
                                   for held in [above_base(chat, "held_mb")] for k, v in above_base(chat).items())]
-            if chat.get("turn_profile"):
-                t = chat["turn_profile"]
+            for t in [chat[k] for k in ("turn_profile", "late_profile") if chat.get(k)]:
                 lines.append(kernels.profile_line(name, f"turn {t['turn']}", t, "a chat turn") + f" Its TTFT "
                              f"{t['ttft_ms']:.1f} ms, recall {t['recall_ms'] or 0:.1f} ms ("
                              + (f"{t['recalled_tokens']} tokens recalled" if t["recalled_tokens"] else

@@ -7,7 +7,7 @@ first budget, recall and the rest as the defaults have them). At turns ``--ttft-
 are watched: the peak GPU memory allocated while the turn ran and what stayed allocated after it, the bytes the conversation keeps on disk (database,
 rows, state, recall's digests) and the mean wall time of a turn since the last watched one. Turn ``PROFILE_TURN``
 (past the budget: recall at work) runs under PyTorch's profiler (``turn_profile``, with the host time of each of
-the turn's stages: core/engine/turns.py).
+the turn's stages: core/engine/turns.py), and so does the ``LATE``-th turn before the last (``late_profile``).
 
 The conversation is stored (``chat.db`` and its archive folder) in ``--chat-store`` where given, with what was
 measured so far in ``chat.json`` beside it: a run stopped by its time limit (a GPU lease's call) is continued by
@@ -40,6 +40,7 @@ CHAT_REPLY = 8  # tokens generated per turn of the chat
 MESSAGE = 24  # tokens of a turn's user message
 WATCH = 250  # every WATCH-th turn is watched (and turn 100, and the last)
 PROFILE_TURN = 260  # this turn runs under PyTorch's profiler: where a turn past the budget spends its time
+LATE = 10  # and the LATE-th turn before the chat's last: where a turn of a long chat spends it
 NOTES = "chat.json"  # beside the stored conversation: what was measured so far, and which conversation it is
 
 
@@ -165,8 +166,10 @@ def _chat(session: Session, folder: Path, budget: int, turns: list[int], prompts
         watched = nxt in (100, replay_turns) or nxt % WATCH == 0
         if watched and device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        if nxt == PROFILE_TURN and "turn_profile" not in out:
-            out["turn_profile"] = profiled_turn(session, text(cm, MESSAGE, seed), device)
+        profile = "turn_profile" if nxt == PROFILE_TURN else "late_profile" if nxt == last - LATE > PROFILE_TURN \
+            else None
+        if profile is not None and profile not in out:
+            out[profile] = profiled_turn(session, text(cm, MESSAGE, seed), device)
             since, t0 = session.turn, time.perf_counter()  # the profiler's own cost is not a turn's
         else:
             session.chat(text(cm, MESSAGE, seed), max_new_tokens=CHAT_REPLY)

@@ -151,6 +151,7 @@ def test_gpu_bench_chat_stopped_and_continued_is_the_chat_run_at_once(default_di
 
     cm = speed_cuda.build("tiny", str(default_dir), "cpu", "graph")
     monkeypatch.setattr(chat, "PROFILE_TURN", 7)  # past the budget: recall at work
+    monkeypatch.setattr(chat, "LATE", 1)  # and turn 8 of a chat to turn 9 (not of one stopped at 5)
 
     def run(folder, last):
         out = {"ttft": [], "peak_mb": {}}
@@ -166,6 +167,7 @@ def test_gpu_bench_chat_stopped_and_continued_is_the_chat_run_at_once(default_di
     prof = second["turn_profile"]
     assert prof["turn"] == 7 and prof["host_ops"] > 100 and prof["kernels"] == 0 and len(prof["top_host"]) == 8
     assert prof["recall_ms"] > 0 and prof["ttft_ms"] > 0 and once["turn_profile"]["turn"] == 7
+    assert "late_profile" not in first and second["late_profile"]["turn"] == once["late_profile"]["turn"] == 8
     # and where its time went: the turn's stages, each timed (the reply's tokens one by one)
     stages = prof["stages"]
     assert {"kvchat.message", "kvchat.recall.plan", "kvchat.prefill", "kvchat.token", "kvchat.closing",
@@ -192,6 +194,7 @@ def test_gpu_bench_chat_stopped_and_continued_is_the_chat_run_at_once(default_di
     assert entry["rows"] == [] and entry["chat"]["turns"] == 12 and len(entry["chat"]["runs"]) == 3
     report = speed_cuda.markdown(run.result())
     assert "(continued by another run at turn 5, 9)." in report and "tiny turn 7: a chat turn " in report
+    assert "tiny turn 8: a chat turn " in report  # the late profile, kept from the run that took it
     with pytest.raises(ValueError, match=r"holds a chat of tiny at budget 64, not tiny at 128"):
         chat.stored_chat(tmp_path / "a", "tiny", 128)
     (tmp_path / "f").write_text("x")
