@@ -15,7 +15,7 @@ from kvchat.core.engine.session import Sampling, Session
 from kvchat.core.engine.settings import Settings
 from kvchat.core.decode import build as build_step
 from kvchat.core.decode.compiled import CompiledStep
-from kvchat.core.decode.eager import DecodeStep
+from kvchat.core.decode.eager import SHORT_FEED, DecodeStep
 from kvchat.core.decode.parts import ROPE_BLOCK, Norm
 
 from tinymodels import build_tiny
@@ -183,6 +183,38 @@ def test_greedy_replies_are_the_models(held, tokenizer):
         session = Session(cm, Settings(policy="streaming", budget=48, window=16, slack=6), sampling=greedy)
         replies.append([session.chat(f"Q{i} " + "tok " * 30).answer for i in range(3)])
     assert replies[0] == replies[1]
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv"])
+def test_short_segments_fed_a_step_a_token_give_the_forwards_chat(policy, tokenizer):
+    """A few tokens in a row (the reply's header, read apart from the message where recall runs; the template's
+    closing) go a step a token where a step is the cheaper (``short_feed``: on kvchat's operators, not without):
+    the chat's replies are those of reading them through the model's forward, its cache (H2O's sums, the query
+    window's rows) too, past the budget, with recall. On the fp32 weights, where the step is the forward's to ~1e-5
+    (on the operators' fp16 copies it is so to ~1e-2, as for every token it decodes, and a tiny random model's H2O
+    can evict another slot on that)."""
+    assert _models("llama", tokenizer, "operators")[0].step.short_feed == SHORT_FEED >= 3
+    fast, _ = _models("llama", tokenizer, "model")
+    assert fast.step.short_feed == 0
+    settings = Settings(policy=policy, budget=48, window=8, slack=6, recall="on")
+    sessions, steps = [], []
+    plain = fast.step.decode
+    for short in (SHORT_FEED, 0):
+        fast.step.short_feed, calls = short, []
+        fast.step.decode = lambda *a, **k: calls.append(1) or plain(*a, **k)
+        session = Session(fast, settings, sampling=Sampling(max_new_tokens=6, temperature=0.0))
+        replies = [session.chat(f"Q{i}. " + "tok word " * (8 + 3 * i)).answer for i in range(5)]
+        sessions.append((session, replies))
+        steps.append(len(calls))
+    (a, replies_a), (b, replies_b) = sessions
+    assert replies_a == replies_b and a.evicted_total > 0 and a.digests.count > 0
+    assert steps[0] >= steps[1] + 2 * 5  # the closing (2 tokens or more) of each of the 5 turns went a step a token
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        assert la.lens == lb.lens and torch.equal(la.positions(), lb.positions())
+        torch.testing.assert_close(la.keys_dense(), lb.keys_dense(), atol=1e-4, rtol=0)
+        torch.testing.assert_close(la.padded(la.values), lb.padded(lb.values), atol=1e-4, rtol=0)
+        for name in la.stats:
+            torch.testing.assert_close(la.padded(la.stats[name]), lb.padded(lb.stats[name]), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("held", ["model", "operators"])

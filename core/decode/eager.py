@@ -51,6 +51,11 @@ from ..ops import kernels
 from .parts import ROPE_BLOCK, SUPPORTED, Layer, Norm, blockable, fp32_llama
 from .weights import HalfLinear, on_huge_pages
 
+SHORT_FEED = 4  # tokens the eager step feeds one at a time on kvchat's operators (``DecodeStep.short_feed``)
+# and the captured graph step (graph.py): on an H100 a replay took 1.1-1.3 ms (llama-1b) where the model's forward
+# over a reply's 3-token header took 23.0 ms (host-bound: about 1,100 launches for 16 layers)
+GRAPH_SHORT_FEED = 8
+
 
 class DecodeStep:
     runs_ahead = False  # whether the engine may feed it a token the host has not read yet (graph.GraphStep)
@@ -73,6 +78,11 @@ class DecodeStep:
         self._place_copies()
         # Why the step runs without kvchat's operators (None: it runs on them; ``_operators``).
         self.without_ops: str | None = self._operators(model)
+        # Segments of up to this many tokens (a reply's header, the template's closing) are fed a step a token where
+        # that costs less than the model's forward over them (core/engine/feeding.py): on this project's CPU, the
+        # default model on kvchat's operators, 2 / 3 / 4 / 8 tokens: steps 42 / 66 / 86 / 172 ms, the forward
+        # 134 / 146 / 160 / 171. Elsewhere, unmeasured, a step costs about as much as a forward: none.
+        self.short_feed = SHORT_FEED if self.without_ops is None else 0
 
     def _operators(self, model: nn.Module) -> str | None:
         """Whether every layer can run on kvchat's operators (core/ops/kernels.py: ``layer`` for a whole layer, or

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import graph_triton
-from .eager import DecodeStep
+from .eager import GRAPH_SHORT_FEED, DecodeStep
 from .graph_layer import layer as _layer
 from .graph_layer import norm as _norm
 from .graph_layer import norm_of as _norm_of
@@ -109,6 +109,7 @@ class GraphStep(DecodeStep):
         # token where the sampler left it, on the device. Worth it where replays run asynchronously (CUDA);
         # tests set it on the CPU.
         self.runs_ahead = self.capture
+        self.short_feed = GRAPH_SHORT_FEED if self.capture else 0  # uncaptured (the CPU), a step costs a forward
         self._fuse()
         self.compiled, self.compile_error = compiled, None
         self._layer = _layer
@@ -315,9 +316,8 @@ class GraphStep(DecodeStep):
             return self._body(plan, cache)
 
     def _record(self, plan: _Plan, cache) -> None:
-        """Capture the step over this cache's buffers: one run first on the step's side stream (cuBLAS's workspaces
-        and the allocator warm up there; cuBLAS keeps a workspace per stream for the process's life, 32 MiB on Hopper,
-        so a new stream per capture left one behind each time), the statistics it adds put back; then the capture."""
+        """Capture the step over this cache's buffers: one run first on the step's own side stream (cuBLAS keeps a
+        workspace per stream for good, 32 MiB on Hopper), the statistics it adds put back; then the capture."""
         t = time.perf_counter()
         saved = [(t_, t_.clone()) for layer in cache.layers for t_ in layer.stats.values()]
         stream = self._side

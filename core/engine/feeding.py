@@ -126,14 +126,19 @@ class Feeding:
         logprobs, top1, i, logits = [], [], 0, None
         tails = []  # (token ids, log-probabilities) of the last ``tail`` tokens, chunk by chunk
         planned = 0
+        short = self.model.step.short_feed if self.model.step is not None else 0  # core/decode: where it pays
         while i < total:
             planned = min(first, total) if i == 0 and first else compress.make_room(self, total - i + more)
             c = min(planned, total - i)
             if tap is not None:
                 tap.keep = ~torch.isin(ids[i: i + c], special)
             keep = min(c, max(0, i + c - (total - tail - 1))) if tail else 0  # this chunk's logits in the tail
-            logits = self.forward(ids[i: i + c], positions[i: i + c], all_logits=want_logprobs, tap=tap,
-                                  keep=max(keep, 1))
+            if c <= short and tap is None and not want_logprobs and not keep:  # a few tokens: a step each is cheaper
+                for j in range(i, i + c):
+                    logits = self.forward(ids[j: j + 1], positions[j: j + 1])
+            else:
+                logits = self.forward(ids[i: i + c], positions[i: i + c], all_logits=want_logprobs, tap=tap,
+                                      keep=max(keep, 1))
             if want_logprobs:
                 targets = ids[i + 1: i + c + 1]
                 lp = torch.log_softmax(logits[: targets.numel()].float(), dim=-1).cpu()
