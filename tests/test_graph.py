@@ -255,6 +255,24 @@ def test_captured_graph_survives_compressions_and_recaptures_on_a_budget_change(
 
 @cuda
 @pytest.mark.cuda
+def test_captured_short_segments_give_the_forwards_chat(tokenizer):
+    """On a GPU the closing tokens (and a reply's header where recall reads the message apart) go a replay a token
+    (``short_feed``): in fp32, the same replies as reading them through the model's forward, and the same cache."""
+    _, graph = _pair("llama", tokenizer, device="cuda", dtype=torch.float32)
+    assert graph.step.short_feed >= 3
+    sessions, replays = [], []
+    for short in (graph.step.short_feed, 0):
+        graph.step.short_feed, before = short, graph.step.replays
+        session = Session(graph, Settings(policy="h2o", budget=48, window=8, slack=8, recall="on"), sampling=GREEDY)
+        sessions.append((session, [session.chat(m).answer for m in MESSAGES]))
+        replays.append(graph.step.replays - before)
+    (a, replies_a), (b, replies_b) = sessions
+    assert replies_a == replies_b and a.evicted_total > 0 and replays[0] >= replays[1] + 2 * len(MESSAGES)
+    _assert_same_cache(a, b, atol=1e-4)
+
+
+@cuda
+@pytest.mark.cuda
 def test_capturing_again_leaves_no_gpu_memory_behind(tokenizer):
     """A chat whose budget goes back and forth captures the step at each change; what the GPU holds after a turn at
     the same budget stays the same (a capture's warm-up on a new stream left cuBLAS's workspace for it behind:

@@ -215,6 +215,11 @@ def test_short_segments_fed_a_step_a_token_give_the_forwards_chat(policy, tokeni
         torch.testing.assert_close(la.padded(la.values), lb.padded(lb.values), atol=1e-4, rtol=0)
         for name in la.stats:
             torch.testing.assert_close(la.padded(la.stats[name]), lb.padded(lb.stats[name]), atol=1e-4, rtol=1e-4)
+    if a.observer is not None:  # the query window's rows, H2O's running sums
+        wa, wb = a.observer.state_tensors(), b.observer.state_tensors()
+        assert wa.keys() == wb.keys()
+        for k in wa:
+            torch.testing.assert_close(wa[k].float(), wb[k].float(), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("held", ["model", "operators"])
