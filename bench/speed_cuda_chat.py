@@ -3,17 +3,19 @@ turn over thousands of turns, in a conversation stored as the app stores one.
 
 Each turn is a user message of 24 random tokens and a reply of ``CHAT_REPLY`` greedy tokens (``streaming`` at the
 first budget, recall and the rest as the defaults have them). At turns ``--ttft-turns`` messages of
-``--ttft-prompts`` tokens are timed instead (their replies one token). Turn 100, every ``WATCH``-th turn and the last
-are watched: the peak GPU memory allocated while the turn ran and what stayed allocated after it, the bytes the conversation keeps on disk (database,
-rows, state, recall's digests) and the mean wall time of a turn since the last watched one. Turn ``PROFILE_TURN``
-(past the budget: recall at work) runs under PyTorch's profiler (``turn_profile``, with the host time of each of
-the turn's stages: core/engine/turns.py), and so does the ``LATE``-th turn before the last (``late_profile``).
+``--ttft-prompts`` tokens are timed instead (their replies one token). Turn 100, every ``WATCH``-th turn and the
+last are watched: the peak GPU memory allocated while the turn ran and what stayed allocated after it, the bytes the
+conversation keeps on disk (database, rows, state, recall's digests) and the mean wall time of a turn since the last
+watched one. Turn ``PROFILE_TURN`` (past the budget: recall at work) runs under PyTorch's profiler
+(``turn_profile``, with the host time of each of the turn's stages: core/engine/turns.py), and so does the
+``LATE``-th turn before the last (``late_profile``).
 
 The conversation is stored (``chat.db`` and its archive folder) in ``--chat-store`` where given, with what was
-measured so far in ``chat.json`` beside it: a run stopped by its time limit (a GPU lease's call) is continued by
-the next run given the same folder, which reopens the conversation at its last saved turn, exactly, and adds its
+measured so far in ``chat.json`` beside it: a run stopped by its time limit (a GPU lease's call) is continued by the
+next run given the same folder, which reopens the conversation at its last saved turn, exactly, and adds its
 measurements to the earlier ones (``runs``: where each run started and what was allocated before it opened the
-conversation, with nothing cached or left over: the weights; memory is compared above that). Without it the conversation lives in a temporary folder.
+conversation, with nothing cached or left over: the weights; memory is compared above that). Without it the
+conversation lives in a temporary folder.
 """
 
 from __future__ import annotations
