@@ -58,7 +58,8 @@ def rss_mb() -> float:
 def settled_gpu_mb() -> float:
     """MiB allocated on the current GPU by live tensors alone: garbage collected, and cuBLAS's workspaces (one per
     stream that ran a product, kept for the process's life: 32 MiB each on Hopper) released, so that a process that
-    made them earlier and one that makes them later count them alike (what the GPU bench's chat compares above)."""
+    made them earlier and one that makes them later count them alike (what the GPU bench's chat compares above).
+    Only between sessions: a captured graph still to be replayed may use a workspace it was captured with."""
     import gc
 
     import torch
