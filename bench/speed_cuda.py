@@ -339,6 +339,7 @@ def markdown(res: dict) -> str:
         lines += ["", "; ".join(notes)] if notes else []
         chat = entry.get("chat")
         if chat:
+            held = above_base(chat, "held_mb")
             lines += ["", "TTFT: " + "; ".join(f"turn {t['turn']}, {t['prompt_tokens']} tokens: {t['ttft_ms']:.1f} ms"
                                                + (f" (recall {t['recall_ms']:.1f})" if t.get("recall_ms") else "")
                                                + (f" ({t['compressions']} compressions: {t['compress_ms']:.1f} ms)"
@@ -347,7 +348,7 @@ def markdown(res: dict) -> str:
                       "Peak GPU memory of a chat turn above the weights (allocated before the chat)"
                       + (", and what stayed allocated after it" if chat.get("held_mb") else "") + ": "
                       + ", ".join(f"turn {k}: {v:.0f} MiB" + (f" ({held[k]:.0f})" if k in held else "")
-                                  for held in [above_base(chat, "held_mb")] for k, v in above_base(chat).items())]
+                                  for k, v in above_base(chat).items())]
             for t in [chat[k] for k in ("turn_profile", "late_profile") if chat.get(k)]:
                 lines.append(kernels.profile_line(name, f"turn {t['turn']}", t, "a chat turn") + f" Its TTFT "
                              f"{t['ttft_ms']:.1f} ms, recall {t['recall_ms'] or 0:.1f} ms ("

@@ -18,6 +18,7 @@ from kvchat.core.decode.compiled import CompiledStep
 from kvchat.core.decode.eager import SHORT_FEED, DecodeStep
 from kvchat.core.decode.parts import ROPE_BLOCK, Norm
 
+from test_graph import _assert_same_cache
 from tinymodels import build_tiny
 
 FAMILIES = ["llama", "qwen2", "mistral", "llama3-scaled"]  # qwen2: q/k/v biases; llama3-scaled: another rope type
@@ -209,17 +210,7 @@ def test_short_segments_fed_a_step_a_token_give_the_forwards_chat(policy, tokeni
     (a, replies_a), (b, replies_b) = sessions
     assert replies_a == replies_b and a.evicted_total > 0 and a.digests.count > 0
     assert steps[0] >= steps[1] + 2 * 5  # the closing (2 tokens or more) of each of the 5 turns went a step a token
-    for la, lb in zip(a.cache.layers, b.cache.layers):
-        assert la.lens == lb.lens and torch.equal(la.positions(), lb.positions())
-        torch.testing.assert_close(la.keys_dense(), lb.keys_dense(), atol=1e-4, rtol=0)
-        torch.testing.assert_close(la.padded(la.values), lb.padded(lb.values), atol=1e-4, rtol=0)
-        for name in la.stats:
-            torch.testing.assert_close(la.padded(la.stats[name]), lb.padded(lb.stats[name]), atol=1e-4, rtol=1e-4)
-    if a.observer is not None:  # the query window's rows, H2O's running sums
-        wa, wb = a.observer.state_tensors(), b.observer.state_tensors()
-        assert wa.keys() == wb.keys()
-        for k in wa:
-            torch.testing.assert_close(wa[k].float(), wb[k].float(), atol=1e-4, rtol=1e-4)
+    _assert_same_cache(a, b, atol=1e-4)  # lengths, positions, keys, values, statistics, the observer's state
 
 
 @pytest.mark.parametrize("held", ["model", "operators"])

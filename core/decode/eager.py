@@ -79,8 +79,8 @@ class DecodeStep:
         # Why the step runs without kvchat's operators (None: it runs on them; ``_operators``).
         self.without_ops: str | None = self._operators(model)
         # Segments of up to this many tokens (a reply's header, the template's closing) are fed a step a token where
-        # that costs less than the model's forward over them (core/engine/feeding.py): on this project's CPU, the
-        # default model on kvchat's operators, 2 / 3 / 4 / 8 tokens: steps 42 / 66 / 86 / 172 ms, the forward
+        # that costs less than the model's forward over them (core/engine/feeding.py): on this project's CPU (ad
+        # hoc), the default model on kvchat's operators, 2 / 3 / 4 / 8 tokens: steps 42 / 66 / 86 / 172 ms, the forward
         # 134 / 146 / 160 / 171. Elsewhere none (unmeasured: without the operators, or on a GPU, where this step
         # launches about as many kernels for one token as the forward does for all of them).
         self.short_feed = SHORT_FEED if self.without_ops is None else 0
