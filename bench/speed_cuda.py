@@ -25,10 +25,10 @@ for ``--steps`` new tokens less the time for one), and a static cache with the f
 (``mode="reduce-overhead"``: CUDA graphs) in a loop of its own, ``torch.compiler.cudagraph_mark_step_begin()``
 before each step and the token cloned out of the graph. TTFT: messages of ``--ttft-prompts`` tokens at turns
 ``--ttft-turns`` of a chat (``streaming``, the first budget, recall as the defaults have it, its re-ranking with
-them: ``recall_ms`` is recall's part), whose replies are generated (8 tokens each); the peak GPU memory, disk and
-time of its turns 100, every 250th and ``--replay-turns`` (the first shape's chat; stored, and continued from
-``--chat-store`` by a run after one stopped early: bench/speed_cuda_chat.py). The compiled reference runs at the
-first budget only (a new cache length compiles again, a minute or more).
+them: ``recall_ms`` is recall's part), whose replies are generated (8 tokens each); the peak GPU memory (over the
+20 turns up to each), disk and time of its turns 100, every 250th and ``--replay-turns`` (the first shape's chat;
+stored, and continued from ``--chat-store`` by a run after one stopped early: bench/speed_cuda_chat.py). The
+compiled reference runs at the first budget only (a new cache length compiles again, a minute or more).
 """
 
 from __future__ import annotations
@@ -345,7 +345,9 @@ def markdown(res: dict) -> str:
                                                + (f" ({t['compressions']} compressions: {t['compress_ms']:.1f} ms)"
                                                   if t.get("compressions") else "")
                                                for t in chat["ttft"]),
-                      "Peak GPU memory of a chat turn above the weights (allocated before the chat)"
+                      (f"Peak GPU memory over the {chat['peak_window']} turns up to each watched one"
+                       if chat.get("peak_window") else "Peak GPU memory of a chat turn")
+                      + " above the weights (allocated before the chat)"
                       + (", and what stayed allocated after it" if chat.get("held_mb") else "") + ": "
                       + ", ".join(f"turn {k}: {v:.0f} MiB" + (f" ({held[k]:.0f})" if k in held else "")
                                   for k, v in above_base(chat).items())]

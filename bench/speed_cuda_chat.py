@@ -4,11 +4,13 @@ turn over thousands of turns, in a conversation stored as the app stores one.
 Each turn is a user message of 24 random tokens and a reply of ``CHAT_REPLY`` greedy tokens (``streaming`` at the
 first budget, recall and the rest as the defaults have them). At turns ``--ttft-turns`` messages of
 ``--ttft-prompts`` tokens are timed instead (their replies one token). Turn 100, every ``WATCH``-th turn and the
-last are watched: the peak GPU memory allocated while the turn ran and what stayed allocated after it, the bytes the
+last are watched: the peak GPU memory allocated over the ``PEAK_WINDOW`` ordinary turns up to it (a turn's own
+passing work differs from turn to turn: whether recall read text back, whether a compression ran; the window's
+peak is what the chat needs at that point, not one turn's luck) and what stayed allocated after it, the bytes the
 conversation keeps on disk (database, rows, state, recall's digests) and the mean wall time of a turn since the last
 watched one. Turn ``PROFILE_TURN`` (past the budget: recall at work) runs under PyTorch's profiler
 (``turn_profile``, with the host time of each of the turn's stages: core/engine/turns.py), and so does the
-``LATE``-th turn before the last (``late_profile``).
+``LATE``-th turn before the last (``late_profile``), before the last turn's window.
 
 The conversation is stored (``chat.db`` and its archive folder) in ``--chat-store`` where given, with what was
 measured so far in ``chat.json`` beside it: a run stopped by its time limit (a GPU lease's call) is continued by the
@@ -41,8 +43,9 @@ from .common import disk, log
 CHAT_REPLY = 8  # tokens generated per turn of the chat
 MESSAGE = 24  # tokens of a turn's user message
 WATCH = 250  # every WATCH-th turn is watched (and turn 100, and the last)
+PEAK_WINDOW = 20  # a watched turn's peak GPU memory is the highest over the ordinary turns of this many up to it
 PROFILE_TURN = 260  # this turn runs under PyTorch's profiler: where a turn past the budget spends its time
-LATE = 10  # and the LATE-th turn before the chat's last: where a turn of a long chat spends it
+LATE = 30  # and the LATE-th turn before the chat's last: where a turn of a long chat spends it
 NOTES = "chat.json"  # beside the stored conversation: what was measured so far, and which conversation it is
 
 
@@ -83,7 +86,7 @@ def open_chat(cm, budget: int, folder: Path, out: dict) -> Session:
     store = Store(folder / "chat.db")
     greedy = Sampling(temperature=0.0)
     if kept is not None:
-        for key in ("peak_mb", "held_mb", "disk_mb", "turn_s"):
+        for key in ("peak_mb", "held_mb", "peak_turns", "disk_mb", "turn_s"):
             kept["chat"][key] = {int(k): v for k, v in kept["chat"].get(key, {}).items()}
         out.update(kept["chat"])
         session = Session.resume(cm, store, kept["conversation_id"], sampling=greedy)
@@ -140,13 +143,27 @@ def chat_cell(cm, budget: int, turns: list[int], prompts: list[int], replay_turn
             session.store.close()
 
 
+def watched(turn: int, last: int) -> bool:
+    """Whether the chat's ``turn`` is watched (turn 100, every ``WATCH``-th, the last)."""
+    return turn in (100, last) or turn % WATCH == 0
+
+
+def in_window(turn: int, last: int) -> bool:
+    """Whether ``turn`` counts in the peak of the next watched turn (one of the ``PEAK_WINDOW`` up to it)."""
+    ahead = next(t for t in range(turn, last + 1) if watched(t, last))
+    return ahead - turn < PEAK_WINDOW
+
+
 def _chat(session: Session, folder: Path, budget: int, turns: list[int], prompts: list[int], replay_turns: int,
           device: str, out: dict, saved) -> None:
     cm = session.model
     ttft, peaks = out.setdefault("ttft", []), out.setdefault("peak_mb", {})
     on_disk, pace, held = out.setdefault("disk_mb", {}), out.setdefault("turn_s", {}), out.setdefault("held_mb", {})
+    counted = out.setdefault("peak_turns", {})  # the turns each peak is over: fewer where a run began in a window
+    out["peak_window"] = PEAK_WINDOW
     last = max(max(turns), replay_turns)
     since, t0 = session.turn, time.perf_counter()
+    window = 0  # ordinary turns counted in the peak so far (0: the next turn in a window opens it)
     while session.turn < last:
         nxt = session.turn + 1
         seed = 10 + nxt  # the same messages whether the chat ran in one run or was continued
@@ -164,10 +181,13 @@ def _chat(session: Session, folder: Path, budget: int, turns: list[int], prompts
                     f"{ttft[-1]['compress_ms']:.1f})")
             out.update(turns=session.turn, tokens=session.total_tokens)
             since, t0 = session.turn, time.perf_counter()  # the pace is the ordinary turns'
+            window = 0  # a long message's memory is not an ordinary turn's: the window opens again after it
             continue
-        watched = nxt in (100, replay_turns) or nxt % WATCH == 0
-        if watched and device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+        seen = watched(nxt, last)
+        if in_window(nxt, last):
+            if window == 0 and device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            window += 1
         profile = "turn_profile" if nxt == PROFILE_TURN else "late_profile" if nxt == last - LATE > PROFILE_TURN \
             else None
         if profile is not None and profile not in out:
@@ -176,11 +196,12 @@ def _chat(session: Session, folder: Path, budget: int, turns: list[int], prompts
         else:
             session.chat(text(cm, MESSAGE, seed), max_new_tokens=CHAT_REPLY)
         out.update(turns=session.turn, tokens=session.total_tokens)
-        if not watched:
+        if not seen:
             continue
         if device == "cuda":
             peaks[nxt] = torch.cuda.max_memory_allocated() / 2**20
             held[nxt] = torch.cuda.memory_allocated() / 2**20
+        counted[nxt], window = window, 0
         on_disk[nxt] = sum(disk(session.store, session)) / 2**20
         if session.turn > since:  # the turns timed since the last watched one (not a TTFT's, not the profiled)
             pace[nxt] = (time.perf_counter() - t0) / (session.turn - since)

@@ -163,6 +163,10 @@ def test_gpu_bench_chat_stopped_and_continued_is_the_chat_run_at_once(default_di
     assert [r["from_turn"] for r in second["runs"]] == [1, 5] and second["turns"] == once["turns"] == 9
     assert second["ttft"] == first["ttft"] and [t["turn"] for t in once["ttft"]] == [3]
     assert set(second["disk_mb"]) == {5, 9} and second["disk_mb"][9] > 0 and second["turn_s"][9] > 0
+    # a watched turn's peak is over the ordinary turns up to it in its run, opened again after a TTFT's message
+    assert once["peak_turns"] == {9: 6} and second["peak_turns"] == {5: 2, 9: 4}
+    assert [t for t in range(1, 2001) if chat.in_window(t, 2000) and not chat.in_window(t - 1, 2000)] == \
+        [81] + list(range(250 - chat.PEAK_WINDOW + 1, 2000, chat.WATCH))
     # turn 7 ran under the profiler (on the CPU: its host operators), the same turn as the others' turn 7
     prof = second["turn_profile"]
     assert prof["turn"] == 7 and prof["host_ops"] > 100 and prof["kernels"] == 0 and len(prof["top_host"]) == 8
