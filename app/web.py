@@ -44,7 +44,9 @@ class WebApp(Layout):
         self.manager = manager
         self.model_name = model_name
         self.params = declared_params()
-        self.export_dir = Path(tempfile.mkdtemp(prefix="kvchat-export-"))
+        # the conversations exported for download; removed with the app (at exit at the latest), not left in /tmp
+        self._exports = tempfile.TemporaryDirectory(prefix="kvchat-export-")
+        self.export_dir = Path(self._exports.name)
 
     # -- the views one handler refreshes ----------------------------------------------------------------------------
     def _info(self, key: str, entry: Entry) -> str:

@@ -129,6 +129,21 @@ def web(manager):
     return app
 
 
+def test_exports_go_with_the_app(manager):
+    """A conversation exported for download is written to a folder of the app's own, removed with the app (each app
+    of an earlier version left one in /tmp, with the conversations in it)."""
+    import gc
+
+    from kvchat.app.web import WebApp
+
+    app = WebApp(manager, "tiny")
+    folder = app.export_dir
+    (folder / "conversation-1.jsonl").write_text("{}\n", encoding="utf-8")
+    del app
+    gc.collect()
+    assert not folder.exists()
+
+
 def test_settings_panel_is_generated_from_the_declarations(web):
     import gradio as gr
 
