@@ -132,23 +132,33 @@ def profile_call(fn, device: str) -> dict:
             if e.key.startswith("aten::") and e.self_cpu_time_total > 0:
                 host[e.key][0] += e.count
                 host[e.key][1] += e.self_cpu_time_total
-            if e.key in STAGES:  # the turn's stages (core/engine/turns.py): their host time, waits included
+            if e.key in STAGES:  # the turn's stages (core/engine/turns.py): their host time, waits included,
+                # and on a GPU the device time of the kernels launched inside them
                 stages[e.key] = {"count": e.count, "ms": e.cpu_time_total / 1000}
+                if kernels:
+                    stages[e.key]["device_ms"] = e.device_time_total / 1000
     top = sorted(host.items(), key=lambda kv: -kv[1][1])[:TOP]
-    return {"wall_ms": 1000 * wall, "kernels": sum(n for n, _ in kernels.values()),
-            "kernel_us": sum(t for _, t in kernels.values()), "waits": waits,
-            "host_ops": sum(n for n, _ in host.values()), "host_us": sum(t for _, t in host.values()),
-            "top_host": [{"name": k, "count": n, "us": t} for k, (n, t) in top],
-            "stages": dict(sorted(stages.items(), key=lambda kv: -kv[1]["ms"]))}
+    out = {"wall_ms": 1000 * wall, "kernels": sum(n for n, _ in kernels.values()),
+           "kernel_us": sum(t for _, t in kernels.values()), "waits": waits,
+           "host_ops": sum(n for n, _ in host.values()), "host_us": sum(t for _, t in host.values()),
+           "top_host": [{"name": k, "count": n, "us": t} for k, (n, t) in top],
+           "stages": dict(sorted(stages.items(), key=lambda kv: -kv[1]["ms"]))}
+    if kernels:  # the kernels that took the device longest, in all
+        out["top_kernels"] = [{"name": k[:90], "count": n, "us": t}
+                              for k, (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])[:TOP]]
+    return out
 
 
 def profile_line(name: str, label: str, prof: dict, what: str = "a compression") -> str:
     """One line of the report for a ``profile_call``'s result (``what`` it profiled: a row's ``compress_profile``, the
     chat's ``turn_profile``)."""
     top = ", ".join(f"{k['name'][6:]} {k['us']:.0f} µs ×{k['count']}" for k in prof["top_host"][:5])
-    stages = ", ".join(f"{k[7:]} {v['ms']:.1f} ms" + (f" ×{v['count']}" if v["count"] > 1 else "")
+    stages = ", ".join(f"{k[7:]} {v['ms']:.1f} ms" + (f" ({v['device_ms']:.1f} on the device)" if "device_ms" in v
+                                                      else "") + (f" ×{v['count']}" if v["count"] > 1 else "")
                        for k, v in prof.get("stages", {}).items())
+    kernels = ", ".join(f"{k['name'][:40]} {k['us'] / 1000:.1f} ms ×{k['count']}"
+                        for k in prof.get("top_kernels", [])[:5])
     return (f"{name} {label}: {what} {prof['wall_ms']:.1f} ms, {prof['kernels']} kernels "
             f"{prof['kernel_us'] / 1000:.2f} ms on the device, {prof['waits']} waits for it, {prof['host_ops']} host "
             f"operators {prof['host_us'] / 1000:.2f} ms of their own; the longest: {top}."
-            + (f" Its stages: {stages}." if stages else ""))
+            + (f" The longest kernels: {kernels}." if kernels else "") + (f" Its stages: {stages}." if stages else ""))

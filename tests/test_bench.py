@@ -138,6 +138,23 @@ def test_speed_on_cuda_without_a_gpu_is_refused_before_any_model_loads(capsys, m
     assert "no CUDA device" in capsys.readouterr().err
 
 
+def test_a_gpu_turn_profile_says_which_stages_and_kernels_took_the_device():
+    """A profiled turn on a GPU reports its longest kernels and each stage's device time beside its host time (the
+    H100's turn 260 had 298.7 ms of kernels in a 271.7 ms turn, and the report said only where the host's went)."""
+    from kvchat.bench import speed_cuda_kernels as kernels
+
+    prof = {"wall_ms": 271.7, "kernels": 8573, "kernel_us": 298659.0, "waits": 585, "host_ops": 33857,
+            "host_us": 111569.9, "top_host": [{"name": "aten::mm", "count": 684, "us": 13843.4}],
+            "top_kernels": [{"name": "sm90_xmma_gemm_bf16bf16_bf16f32", "count": 400, "us": 120000.0}],
+            "stages": {"kvchat.recall.plan": {"count": 1, "ms": 44.8, "device_ms": 40.1},
+                       "kvchat.token": {"count": 8, "ms": 8.8, "device_ms": 9.0}}}
+    line = kernels.profile_line("llama-1b", "turn 260", prof, "a chat turn")
+    assert "The longest kernels: sm90_xmma_gemm_bf16bf16_bf16f32 120.0 ms ×400." in line
+    assert "recall.plan 44.8 ms (40.1 on the device), token 8.8 ms (9.0 on the device) ×8." in line
+    del prof["top_kernels"], prof["stages"]["kvchat.token"]["device_ms"]  # a profile on the CPU: host times only
+    assert "kernels:" not in kernels.profile_line("tiny", "turn 7", prof, "a chat turn")
+
+
 def test_gpu_bench_chat_stopped_and_continued_is_the_chat_run_at_once(default_dir, tmp_path, monkeypatch):
     """The GPU bench's long chat is stored (``--chat-store``): a run stopped at turn 5 and continued by the next to
     turn 9 holds the very conversation of a run to turn 9 at once (greedy replies, token for token), keeps the first
@@ -170,6 +187,7 @@ def test_gpu_bench_chat_stopped_and_continued_is_the_chat_run_at_once(default_di
     # turn 7 ran under the profiler (on the CPU: its host operators), the same turn as the others' turn 7
     prof = second["turn_profile"]
     assert prof["turn"] == 7 and prof["host_ops"] > 100 and prof["kernels"] == 0 and len(prof["top_host"]) == 8
+    assert "top_kernels" not in prof and not any("device_ms" in v for v in prof["stages"].values())
     assert prof["recall_ms"] > 0 and prof["ttft_ms"] > 0 and once["turn_profile"]["turn"] == 7
     assert "late_profile" not in first and second["late_profile"]["turn"] == once["late_profile"]["turn"] == 8
     # and where its time went: the turn's stages, each timed (the reply's tokens one by one)
