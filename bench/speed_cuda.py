@@ -340,6 +340,7 @@ def markdown(res: dict) -> str:
         chat = entry.get("chat")
         if chat:
             held = above_base(chat, "held_mb")
+            window, counted = chat.get("peak_window", 0), {int(k): n for k, n in chat.get("peak_turns", {}).items()}
             lines += ["", "TTFT: " + "; ".join(f"turn {t['turn']}, {t['prompt_tokens']} tokens: {t['ttft_ms']:.1f} ms"
                                                + (f" (recall {t['recall_ms']:.1f})" if t.get("recall_ms") else "")
                                                + (f" ({t['compressions']} compressions: {t['compress_ms']:.1f} ms)"
@@ -350,6 +351,7 @@ def markdown(res: dict) -> str:
                       + " above the weights (allocated before the chat)"
                       + (", and what stayed allocated after it" if chat.get("held_mb") else "") + ": "
                       + ", ".join(f"turn {k}: {v:.0f} MiB" + (f" ({held[k]:.0f})" if k in held else "")
+                                  + (f" (over {counted[k]} turns)" if counted.get(k, window) < window else "")
                                   for k, v in above_base(chat).items())]
             for t in [chat[k] for k in ("turn_profile", "late_profile") if chat.get(k)]:
                 lines.append(kernels.profile_line(name, f"turn {t['turn']}", t, "a chat turn") + f" Its TTFT "

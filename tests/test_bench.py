@@ -155,6 +155,24 @@ def test_a_gpu_turn_profile_says_which_stages_and_kernels_took_the_device():
     assert "kernels:" not in kernels.profile_line("tiny", "turn 7", prof, "a chat turn")
 
 
+def test_gpu_report_says_what_a_watched_turns_peak_is_over():
+    """The report of the measured GPU chat (docs/results/speed-cuda.json) says a peak is over the window's turns,
+    and how many where a run began inside the window."""
+    from kvchat.bench import speed_cuda
+
+    res = json.loads((REPO / "docs" / "results" / "speed-cuda.json").read_text(encoding="utf-8"))
+    chat = res["results"]["shapes"]["llama-1b"]["chat"]
+    for key in ("peak_window", "peak_turns", "held_mb"):
+        chat.pop(key, None)
+    chat["runs"] = [{"from_turn": 0, "base_mb": 2000.0}, {"from_turn": 1594, "base_mb": 2100.0}]
+    chat["peak_mb"] = {"100": 2265.0, "1750": 2425.0, "2000": 2428.0}
+    assert "Peak GPU memory of a chat turn above" in speed_cuda.markdown(res)  # measured before there was a window
+    chat["peak_window"], chat["peak_turns"] = 20, {"100": 20, "1750": 12, "2000": 20}
+    md = speed_cuda.markdown(res)
+    assert "Peak GPU memory over the 20 turns up to each watched one above" in md
+    assert "turn 100: 265 MiB, turn 1750: 325 MiB (over 12 turns), turn 2000: 328 MiB" in md
+
+
 def test_gpu_bench_chat_stopped_and_continued_is_the_chat_run_at_once(default_dir, tmp_path, monkeypatch):
     """The GPU bench's long chat is stored (``--chat-store``): a run stopped at turn 5 and continued by the next to
     turn 9 holds the very conversation of a run to turn 9 at once (greedy replies, token for token), keeps the first
