@@ -133,7 +133,8 @@ def profile_call(fn, device: str) -> dict:
                 host[e.key][0] += e.count
                 host[e.key][1] += e.self_cpu_time_total
             if e.key in STAGES:  # the turn's stages (core/engine/turns.py): their host time, waits included,
-                # and on a GPU the device time of the kernels launched inside them
+                # and on a GPU the device time of the kernels PyTorch's operators launched inside them (a graph's
+                # replay is no operator: its kernels may be left out)
                 stages[e.key] = {"count": e.count, "ms": e.cpu_time_total / 1000}
                 if kernels:
                     stages[e.key]["device_ms"] = e.device_time_total / 1000
