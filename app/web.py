@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -371,10 +373,18 @@ class WebApp(Layout):
         return (gr.update(value=str(path), visible=True),
                 f"exported conversation #{conversation_id}: replay it with `kvchat replay {path.name}`")
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt
+
+
 def serve(manager: SessionManager, model_name: str, host: str = "127.0.0.1", port: int = 7860,
           auth: list[tuple[str, str]] | None = None, share: bool = False) -> None:
     app = WebApp(manager, model_name)
     demo = app.build()
+    if threading.current_thread() is threading.main_thread():
+        # A stop by SIGTERM (kill, systemd, a container's stop) shuts down as Ctrl-C does: replies stopped, sessions
+        # closed, unsaved sessions' temporary files and the exports removed, where it ended the process on the spot
+        signal.signal(signal.SIGTERM, _interrupted)
     try:
         demo.launch(server_name=host, server_port=port, auth=auth or None, share=share, show_error=True,
                     theme=theme(), css=CSS, footer_links=[], allowed_paths=[str(app.export_dir)],

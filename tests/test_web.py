@@ -37,14 +37,14 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, tmp: Path, *flags: str):
+    def __init__(self, tmp: Path, *flags: str, env: dict | None = None):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}/"
         self.db = tmp / "web.db"
         self.log = tmp / "serve.log"
         cmd = [sys.executable, "-m", "kvchat.app.cli", "serve", "--port", str(self.port), "--db", str(self.db),
                "--temperature", "0", *flags]
-        self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(cmd, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env)
         deadline = time.time() + 180
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -83,6 +83,23 @@ def server(default_dir, tmp_path_factory):
                  "24", "--max-sessions", "4")
     yield srv
     srv.stop()
+
+
+def test_a_stop_by_sigterm_shuts_the_server_down_and_leaves_nothing_behind(default_dir, tmp_path):
+    """``kill`` (SIGTERM: systemd, a container's stop) stops ``kvchat serve`` as Ctrl-C does: the server closes, the
+    process exits 0, and its temporary folders are gone (it died on the spot, leaving them in /tmp)."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    srv = Server(tmp_path, "--max-new-tokens", "8", env={**os.environ, "TMPDIR": str(scratch)})
+    assert list(scratch.glob("kvchat-export-*"))  # the exports' folder, made when the app starts
+    srv.proc.terminate()
+    try:
+        code = srv.proc.wait(60)
+    finally:
+        srv.stop()
+    assert code == 0, srv.log.read_text()[-2000:]
+    assert "closing server" in srv.log.read_text()
+    assert not list(scratch.glob("kvchat-export-*"))
 
 
 def _open(browser, url):
