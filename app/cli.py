@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sqlite3
 import sys
+import threading
 from pathlib import Path
 
 from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS
@@ -229,6 +231,10 @@ def one_line(text: str, limit: int = 500) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -243,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"serve": cmd_serve, "chat": cmd_chat, "replay": cmd_replay, "policies": cmd_policies,
                 "conversations": cmd_conversations}
     commands["bench"] = _run_bench
+    # SIGTERM (kill, timeout, a service manager's stop) ends the command through its cleanup, as an exception: the
+    # sessions close and temporary files go (the web UI shuts down as on Ctrl-C); it ended the process on the spot.
+    # Every completed turn is stored either way.
+    previous = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() \
+        else None
     try:
         return commands[args.command](args)
     except (ValueError, ModelError, OSError, sqlite3.Error) as exc:
@@ -251,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -162,3 +162,24 @@ def test_resume_refuses_a_script_that_differs(model_dir, tmp_path, capsys):
     assert code == 0
     turns = [json.loads(line) for line in out if '"turn"' in line and "summary" not in line]
     assert turns[0]["turn"] == 3 and _stored(db, cid)[0]["next_turn"] == turns[-1]["turn"] + 1
+
+
+def test_sigterm_ends_a_replay_through_its_cleanup(model_dir, tmp_path):
+    """SIGTERM (``timeout``, ``kill``, a service manager's stop) ends ``kvchat replay`` through its cleanup instead
+    of on the spot: exit status 143, and an unsaved replay's temporary archive is gone (it was left in /tmp)."""
+    script = _script(tmp_path / "chat.jsonl")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    args = [sys.executable, "-m", "kvchat.app.cli", "replay", str(script), "--model", str(model_dir), "--json",
+            "--no-save", "--db", str(tmp_path / "kv.db"), *FLAGS]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", "TMPDIR": str(scratch)})
+    try:
+        for _ in range(4):  # four turns in, the temporary archive made
+            proc.stdout.readline()
+        assert proc.poll() is None and list(scratch.glob("kvchat-recall-*"))
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM, proc.stderr.read()[-2000:]
+    finally:
+        proc.kill()
+    assert not list(scratch.glob("kvchat-recall-*")) and not (tmp_path / "kv.db").exists()
