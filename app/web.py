@@ -373,6 +373,7 @@ class WebApp(Layout):
         return (gr.update(value=str(path), visible=True),
                 f"exported conversation #{conversation_id}: replay it with `kvchat replay {path.name}`")
 
+
 def _interrupted(signum, frame):
     raise KeyboardInterrupt
 
@@ -382,8 +383,8 @@ def serve(manager: SessionManager, model_name: str, host: str = "127.0.0.1", por
     app = WebApp(manager, model_name)
     demo = app.build()
     if threading.current_thread() is threading.main_thread():
-        # A stop by SIGTERM (kill, systemd, a container's stop) shuts down as Ctrl-C does: replies stopped, sessions
-        # closed, unsaved sessions' temporary files and the exports removed, where it ended the process on the spot
+        # SIGTERM (kill, systemd, a container's stop) shuts the server down as Ctrl-C does (Gradio closes it on a
+        # KeyboardInterrupt): then the sessions close, their temporary files and the exports go
         signal.signal(signal.SIGTERM, _interrupted)
     try:
         demo.launch(server_name=host, server_port=port, auth=auth or None, share=share, show_error=True,
