@@ -87,7 +87,8 @@ def server(default_dir, tmp_path_factory):
 
 def test_a_stop_by_sigterm_shuts_the_server_down_and_leaves_nothing_behind(default_dir, tmp_path):
     """``kill`` (SIGTERM: systemd, a container's stop) stops ``kvchat serve`` as Ctrl-C does: the server closes, the
-    process exits 0, and its temporary folders are gone (it died on the spot, leaving them in /tmp)."""
+    process exits (0; 130, as Ctrl-C's, where the stop came while Gradio was still starting), and its temporary
+    folders are gone (it died on the spot, leaving them in /tmp)."""
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     srv = Server(tmp_path, "--max-new-tokens", "8", env={**os.environ, "TMPDIR": str(scratch)})
@@ -97,8 +98,8 @@ def test_a_stop_by_sigterm_shuts_the_server_down_and_leaves_nothing_behind(defau
         code = srv.proc.wait(60)
     finally:
         srv.stop()
-    assert code == 0, srv.log.read_text()[-2000:]
-    assert "closing server" in srv.log.read_text()
+    log = srv.log.read_text()
+    assert code in (0, 130) and "Traceback" not in log, log[-2000:]
     assert not list(scratch.glob("kvchat-export-*"))
 
 
