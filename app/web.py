@@ -374,10 +374,6 @@ class WebApp(Layout):
                 f"exported conversation #{conversation_id}: replay it with `kvchat replay {path.name}`")
 
 
-def _interrupted(signum, frame):
-    raise KeyboardInterrupt
-
-
 def serve(manager: SessionManager, model_name: str, host: str = "127.0.0.1", port: int = 7860,
           auth: list[tuple[str, str]] | None = None, share: bool = False) -> None:
     app = WebApp(manager, model_name)
@@ -385,7 +381,7 @@ def serve(manager: SessionManager, model_name: str, host: str = "127.0.0.1", por
     if threading.current_thread() is threading.main_thread():
         # SIGTERM (kill, systemd, a container's stop) shuts the server down as Ctrl-C does (Gradio closes it on a
         # KeyboardInterrupt): then the sessions close, their temporary files and the exports go
-        signal.signal(signal.SIGTERM, _interrupted)
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         demo.launch(server_name=host, server_port=port, auth=auth or None, share=share, show_error=True,
                     theme=theme(), css=CSS, footer_links=[], allowed_paths=[str(app.export_dir)],

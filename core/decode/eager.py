@@ -52,9 +52,6 @@ from .parts import ROPE_BLOCK, SUPPORTED, Layer, Norm, blockable, fp32_llama
 from .weights import HalfLinear, on_huge_pages
 
 SHORT_FEED = 4  # tokens the eager step feeds one at a time on kvchat's operators (``DecodeStep.short_feed``)
-# and the captured graph step (graph.py): on an H100 a replay took 1.1-1.3 ms (llama-1b) where the model's forward
-# over a reply's 3-token header took 23.0 ms (host-bound: about 1,100 launches for 16 layers)
-GRAPH_SHORT_FEED = 8
 
 
 class DecodeStep:
