@@ -160,3 +160,47 @@ def test_captured_step_running_ahead_gives_the_same_chat(greedy, tokenizer):
         assert (first.answer, first.stopped) == (second.answer, second.stopped)
     _assert_same_state(*sessions, atol=3e-2)
     assert count.fed >= 60 and ahead.step.captures == sequential.step.captures >= 1
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[cuda, pytest.mark.cuda])])
+def test_sessions_chatting_at_once_on_one_step_get_what_each_gets_alone(device, tokenizer):
+    """The web UI's sessions share the loaded model and its step, each with its own cache (on a GPU its own graph),
+    and chat in threads of their own: two chatting at once, through compressions and recall, running ahead, give
+    the replies and caches each gives alone (fp32). On a GPU one thread's capture or replay runs while the other
+    reads its message through the model's forward."""
+    import threading
+
+    _, cm = _pair(tokenizer, device=device)
+    sampling = Sampling(max_new_tokens=24, temperature=0.0)
+    chats = [(Settings(policy="h2o", budget=48, window=8, slack=8), MESSAGES),
+             (Settings(policy="streaming", budget=56, window=8, slack=8), MESSAGES[::-1])]
+
+    def chat(settings, messages, out, start=None):
+        session = Session(cm, settings, sampling=sampling)
+        if start is not None:
+            start.wait()
+        out.append([session.chat(m).answer for m in messages])
+        out.append(session)
+
+    alone = [[] for _ in chats]
+    for (settings, messages), out in zip(chats, alone):
+        chat(settings, messages, out)
+    together, errors, start = [[] for _ in chats], [], threading.Barrier(len(chats))
+
+    def run(*args):
+        try:
+            chat(*args, start=start)
+        except BaseException as exc:  # noqa: BLE001 — raised again in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(*c, out)) for c, out in zip(chats, together)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    for (replies, session), (want, reference) in zip(together, alone):
+        assert replies == want
+        assert session.evicted_total > 0
+        _assert_same_state(reference, session)
+    assert cm.step.eager_calls == 0 and cm.step.replays >= 4 * 24
