@@ -1,8 +1,9 @@
 """Engine sessions of the web UI: one per browser session, all on the one loaded model, within caps.
 
 Each browser tab (Gradio session) gets its own ``Session`` and cache. The manager bounds how many exist at once
-and how many cache bytes they may reserve: a bounded session reserves budget + slack positions (twice: the undo
-copy of the last turn), an unbounded one (``full``) the model's max positions. A conversation is held by one tab
+and how many cache bytes they may reserve: a bounded session reserves budget + slack positions, with what its
+policy keeps per slot and its query window (twice: the undo copy of the last turn), an unbounded one (``full``) the
+model's max positions. A conversation is held by one tab
 at a time; opening it in a second tab moves it there (its cache restored exactly from what its last turn stored).
 """
 
@@ -43,21 +44,33 @@ class SessionManager:
         self.entries: dict[str, Entry] = {}
         self.moved: set[str] = set()  # tabs whose conversation was opened in another tab
         self._lock = threading.RLock()
-        self._per_position: int | None = None
+        self._probes: dict[tuple, tuple[int, int]] = {}  # policy and parameters -> ``_probe``
 
     # -- accounting -----------------------------------------------------------------------------------------------
-    def per_position_bytes(self) -> int:
-        """Cache bytes per position over all layers (measured once on a one-token probe session)."""
-        if self._per_position is None:
-            probe = Session(self.model, Settings(policy="full"), system=None)
-            probe.feed_raw([self.model.tokenizer.eos_token_id or 0], score=False)
-            self._per_position = probe.cache.bytes_per_position
-        return self._per_position
+    def per_position_bytes(self, settings: Settings | None = None) -> int:
+        """Cache bytes per position over all layers, with what ``settings``' policy keeps per slot (H2O's attention
+        received); the plain cache's without settings."""
+        return self._probe(settings or Settings(policy="full"))[0]
+
+    def _probe(self, settings: Settings) -> tuple[int, int]:
+        """(bytes per cached position, bytes of the policy's query window) of a session with ``settings``, measured
+        once per policy and parameters on a probe session fed the window's length of tokens."""
+        key = (settings.policy, repr(sorted(settings.params.items())))
+        with self._lock:
+            if key not in self._probes:
+                probe = Session(self.model, settings.changed(recall="off"), system=None)
+                window = probe.observer.window if probe.observer is not None else 0
+                probe.feed_raw([self.model.tokenizer.eos_token_id or 0] * (window + 1), score=False)
+                state = probe.observer.state_tensors().values() if window else ()
+                self._probes[key] = (probe.cache.bytes_per_position, sum(t.numel() * t.element_size() for t in state))
+            return self._probes[key]
 
     def reserve(self, settings: Settings) -> int:
-        """Bytes a session with ``settings`` may come to hold (its cache and the undo copy)."""
+        """Bytes a session with ``settings`` may come to hold, twice (its cache and the undo copy): budget + slack
+        positions (a ``full`` cache: the model's) with its policy's statistics per slot, and its query window."""
+        per_position, window = self._probe(settings)
         positions = settings.capacity if settings.bounded else self.model.max_positions
-        return 2 * positions * self.per_position_bytes()
+        return 2 * (positions * per_position + window)
 
     def reserved(self, exclude: str | None = None) -> int:
         with self._lock:

@@ -76,7 +76,8 @@ class WebApp(Layout):
         return gr.update(choices=self._conversation_choices(), value=value)
 
     def _charts(self, entry: Entry, live: Live | None = None):
-        return charts(entry.session, self.manager.store, entry.rss_mb, self.manager.per_position_bytes(), live)
+        return charts(entry.session, self.manager.store, entry.rss_mb,
+                      self.manager.per_position_bytes(entry.session.settings), live)
 
     def _head_map(self, entry: Entry):
         fig = head_map(entry.session)

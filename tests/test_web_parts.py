@@ -255,3 +255,25 @@ def test_a_reply_that_fails_midway_reopens_the_conversation_and_says_so(web, mon
     out = list(web.send("Tell me about the kite", request))[-1]
     assert "kv-error" not in (out[6] or "") and again.history[-1].new_tokens > 0
     assert len(web.manager.store.messages(again.conversation_id)) == len(stored) + 2
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "headaware"])
+def test_what_a_session_holds_stays_within_what_the_cap_reserves_for_it(tiny, tmp_path, policy):
+    """``--max-cache-mb`` admits a session by what it may come to hold (``reserve``), which must bound it: after
+    turns past the budget, its cache with the policy's statistics per slot (H2O's attention received), its query
+    window (SnapKV's, head-aware's) and the undo copy of both. Counting the plain cache's positions alone, it held up
+    to 37% more here (tiny layers); 0.1-3.2% more for the default model at budget 1024."""
+    settings = Settings(policy=policy, budget=48, window=8, slack=6)
+    m = SessionManager(tiny("llama"), Store(tmp_path / "kv.db"), settings, GREEDY, max_sessions=2)
+    session = m.entry("a").session
+    _chat(session, turns=6)
+    assert session.evicted_total > 0
+    window = _nbytes(session.observer.state_tensors().values()) if session.observer is not None else 0
+    copy = session.undo_copy
+    undo = _nbytes(t for part in copy.cache.parts for t in part.saved.values()) + _nbytes(copy.observer.values())
+    assert session.cache.nbytes + window + undo <= m.reserve(settings)
+    assert m.reserve(settings) <= 1.05 * 2 * (session.cache.nbytes + window)  # and no more than it holds, near enough
