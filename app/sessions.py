@@ -3,8 +3,8 @@
 Each browser tab (Gradio session) gets its own ``Session`` and cache. The manager bounds how many exist at once
 and how many cache bytes they may reserve: a bounded session reserves budget + slack positions, with what its
 policy keeps per slot and its query window (twice: the undo copy of the last turn), an unbounded one (``full``) the
-model's max positions. A conversation is held by one tab
-at a time; opening it in a second tab moves it there (its cache restored exactly from what its last turn stored).
+model's max positions. A conversation is held by one tab at a time; opening it in a second tab moves it there (its
+cache restored exactly from what its last turn stored).
 """
 
 from __future__ import annotations
