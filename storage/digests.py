@@ -95,15 +95,24 @@ class DigestStore:
         return m
 
     def field(self, name: str, index: np.ndarray | None = None) -> np.ndarray:
-        """Field ``name`` of the live records (or of those at live positions ``index``), in order."""
+        """Field ``name`` of the live records (or of those at live positions ``index``), in order: a segment's
+        records at a time, each read once (all of them: a slice of each segment)."""
+        shape, base = self.dtype[name].shape, self.dtype[name].base
         if index is None:
-            index = np.arange(self.count)
+            out, at = np.empty((self.count, *shape), dtype=base), 0
+            for seg in range(self.first // self.segment, -(-self.end // self.segment)) if self.count else ():
+                lo, hi = max(self.first, seg * self.segment), min(self.end, (seg + 1) * self.segment)
+                out[at: at + hi - lo] = self._map(seg)[name][lo - seg * self.segment: hi - seg * self.segment]
+                at += hi - lo
+            return out
         index = np.asarray(index, dtype=np.int64) + self.first
-        out = np.empty((len(index), *self.dtype[name].shape), dtype=self.dtype[name].base)
+        out = np.empty((len(index), *shape), dtype=base)
         segs = index // self.segment
-        for seg in np.unique(segs):
-            sel = segs == seg
-            out[sel] = self._map(int(seg))[name][index[sel] - seg * self.segment]
+        order = np.argsort(segs, kind="stable")  # the positions of each segment's records, segment by segment
+        cuts = np.flatnonzero(np.diff(segs[order])) + 1
+        for rows in np.split(order, cuts) if len(order) else ():
+            seg = int(segs[rows[0]])
+            out[rows] = self._map(seg)[name][index[rows] - seg * self.segment]
         return out
 
     def forget(self, cap_bytes: int) -> bool:

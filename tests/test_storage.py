@@ -164,3 +164,28 @@ def test_rebuild_of_a_per_head_policy_stays_within_its_budget(tiny, tmp_path):
     assert resumed.cache.length <= settings.capacity
     assert resumed.evicted_total == session.evicted_total
     resumed.chat("Still there?")
+
+
+def test_the_digest_store_reads_each_records_field_in_the_order_asked(tmp_path):
+    """``DigestStore.field``: the live records' field, all of them or at the positions asked (any order, repeats),
+    across segment files, with a window that starts past forgotten segments, read back as written."""
+    import numpy as np
+
+    from kvchat.storage.digests import DigestStore
+
+    store = DigestStore(tmp_path)
+    store.start([("span", "<i4", (2,)), ("keys", "i1", (3, 4))], segment=7)
+    gen = np.random.default_rng(0)
+    records = np.zeros(40, dtype=store.dtype)
+    records["span"] = np.arange(80).reshape(40, 2)
+    records["keys"] = gen.integers(-127, 127, size=(40, 3, 4))
+    store.append(records[:25])
+    store.append(records[25:])
+    assert store.forget(30 * store.record_bytes) and store.first == 14  # two segments of 7 left the window
+    live = records[14:]
+    assert np.array_equal(store.field("span"), live["span"]) and np.array_equal(store.field("keys"), live["keys"])
+    index = np.array([25, 0, 6, 7, 7, 13, 3, 20])  # live positions: unsorted, a repeat, both ends, a segment's edges
+    assert np.array_equal(store.field("keys", index), live["keys"][index])
+    assert store.field("span", np.array([], dtype=np.int64)).shape == (0, 2)
+    store.rewind(14, 14)
+    assert store.field("span").shape == (0, 2)
