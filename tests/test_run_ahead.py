@@ -193,12 +193,13 @@ def test_sessions_chatting_at_once_on_one_step_get_what_each_gets_alone(device, 
         except BaseException as exc:  # noqa: BLE001 — raised again in the test's thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=run, args=(*c, out)) for c, out in zip(chats, together)]
+    threads = [threading.Thread(target=run, args=(*c, out), daemon=True) for c, out in zip(chats, together)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
     assert not errors, errors
+    assert not any(t.is_alive() for t in threads), "a session's chat did not end in 5 minutes"
     for (replies, session), (want, reference) in zip(together, alone):
         assert replies == want
         assert session.evicted_total > 0
