@@ -379,13 +379,16 @@ def serve(manager: SessionManager, model_name: str, host: str = "127.0.0.1", por
           auth: list[tuple[str, str]] | None = None, share: bool = False) -> None:
     app = WebApp(manager, model_name)
     demo = app.build()
-    if threading.current_thread() is threading.main_thread():
-        # SIGTERM (kill, systemd, a container's stop) shuts the server down as Ctrl-C does (Gradio closes it on a
-        # KeyboardInterrupt): then the sessions close, their temporary files and the exports go
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # SIGTERM (kill, systemd, a container's stop) shuts the server down as Ctrl-C does (Gradio closes it on a
+    # KeyboardInterrupt): then the sessions close, their temporary files and the exports go; the caller's handler
+    # comes back after
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler) \
+        if threading.current_thread() is threading.main_thread() else None
     try:
         demo.launch(server_name=host, server_port=port, auth=auth or None, share=share, show_error=True,
                     theme=theme(), css=CSS, footer_links=[], allowed_paths=[str(app.export_dir)],
                     ssr_mode=False, quiet=False)
     finally:
         manager.close()
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
