@@ -1,6 +1,9 @@
 """The real default model (SmolLM2-135M-Instruct): equivalence, recall through the cache, bounded endless chat."""
 
 import json
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
@@ -116,3 +119,19 @@ def test_headaware_gives_heads_their_own_allocations(smol, tmp_path):
     for a, b in zip(resumed.cache.layers, layers):
         assert a.caps == b.caps and a.lens == b.lens and torch.equal(a.keys_dense(), b.keys_dense())
     assert resumed.chat("And my locker code?").answer == session.chat("And my locker code?").answer
+
+
+def test_two_commands_started_at_once_on_a_fresh_machine_both_convert_the_default_model(default_dir, tmp_path):
+    """Two kvchat commands started together where the default model was never converted (a fresh $KVCHAT_HOME) both
+    convert it; the one that finishes second uses the first's folder instead of failing on it (it exited 2 with
+    "Directory not empty"), and neither leaves its half of the work behind."""
+    env = dict(os.environ, KVCHAT_HOME=str(tmp_path))
+    code = "from kvchat.core.model.loading import default_model_dir as d; print(d())"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-500:] for _, err in outs]
+    target = tmp_path / "models" / default_dir.name
+    assert [out.strip() for out, _ in outs] == [str(target)] * 2
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # no .convert-* folder left
+    assert (target / "config.json").is_file() and (target / "model.safetensors").is_file()

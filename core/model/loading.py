@@ -64,7 +64,8 @@ def _default_gguf() -> Path:
 
 
 def _convert_gguf(gguf: Path, target: Path) -> Path:
-    """Dequantize a GGUF model into a safetensors model directory (atomically: a half-written dir never exists)."""
+    """Dequantize a GGUF model into a safetensors model directory (atomically: a half-written dir never exists; where
+    two processes convert at once, the first to finish wins and the other uses its folder)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     log.info("converting %s into %s (once)", gguf.name, target)
@@ -77,7 +78,14 @@ def _convert_gguf(gguf: Path, target: Path) -> Path:
         )
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            # Another kvchat converted the same file meanwhile (two commands started at once on a fresh machine):
+            # its folder is complete (renamed whole), so use it; anything else there is not ours to replace.
+            if not (target / "config.json").is_file():
+                raise
+            log.info("%s was converted by another process meanwhile; using it", target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
