@@ -225,6 +225,7 @@ def run_step(session: Session, step: Step, sampling: dict) -> TurnResult:
 def stored_prefix(script: Script, store, conversation_id: int, default_system: str | None) -> int:
     """How many of ``script``'s steps conversation ``conversation_id`` already holds (they must be its first
     turns; a reply step matches whatever reply was generated). ScriptError naming the first difference."""
+    store.conversation(conversation_id)  # ValueError, "no conversation N in DB", before comparing with nothing
     turns: dict[int, list[dict]] = {}
     for m in store.messages(conversation_id):
         turns.setdefault(m["turn"], []).append(m)

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvchat.app.cli import main
 from kvchat.app.replay import ScriptError, load_scripts
@@ -163,6 +164,8 @@ def test_conversations_list_show_export(model_dir, tmp_path, capsys):
     ([], "{\"user\": \"hi\", \"reference\": \"x\"}\n", ":1: a reference line needs \"expect\""),
     ([], b"{\"user\": \"caf\xe9\"}\n", "not UTF-8"),
     ([], "", "the script is empty"),
+    (["--device", "gpu"], SCRIPT, "unknown device 'gpu'"),
+    (["--resume", "999", "--budget", "128"], SCRIPT, "no conversation 999 in"),
 ])
 def test_bad_input_is_one_line_and_exit_2(model_dir, tmp_path, capsys, args, content, message):
     script = tmp_path / "bad.jsonl"
@@ -186,6 +189,16 @@ def test_model_errors(no_template_dir, tmp_path, capsys):
     code, _, err = _run(capsys, "replay", script, "--model", tmp_path / "missing.gguf", "--db", tmp_path / "kv.db")
     assert code == 2 and "no such GGUF file" in err
     assert Store(tmp_path / "kv.db").conversations() == [] if (tmp_path / "kv.db").exists() else True
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU: --device cuda is no error here")
+def test_a_device_this_torch_cannot_reach_is_one_line_and_exit_2(model_dir, tmp_path, capsys):
+    script = _write(tmp_path / "s.jsonl", SCRIPT[1:2])
+    for device in ("cuda", "cuda:1"):
+        code, _, err = _run(capsys, "replay", script, "--model", model_dir, "--db", tmp_path / "kv.db",
+                            "--device", device)
+        lines = [x for x in err.splitlines() if x.startswith("kvchat: error:")]
+        assert code == 2 and len(lines) == 1 and f"--device {device}: no CUDA GPU available" in lines[0], err
 
 
 def test_terminal_chat_with_commands(model_dir, tmp_path):

@@ -125,8 +125,22 @@ def _convert_gguf_cached(path: Path) -> Path:
 
 
 def pick_device(device: str = "auto") -> torch.device:
+    """The device ``--device`` names (auto: cuda > mps > cpu); ModelError, in one line, for a name torch does not
+    know or a device this machine's torch cannot reach."""
     if device != "auto":
-        return torch.device(device)
+        try:
+            dev = torch.device(device)
+        except RuntimeError:
+            raise ModelError(f"unknown device {device!r} (auto, cpu, cuda, cuda:N, mps)") from None
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            built = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, no GPU visible"
+            raise ModelError(f"--device {device}: no CUDA GPU available (torch {torch.__version__}: {built})")
+        if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ModelError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+        mps = getattr(torch.backends, "mps", None)
+        if dev.type == "mps" and (mps is None or not mps.is_available()):
+            raise ModelError(f"--device {device}: no MPS (Apple GPU) available")
+        return dev
     if torch.cuda.is_available():
         return torch.device("cuda")
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
