@@ -246,5 +246,7 @@ class Store:
 
     @guarded
     def export_replay(self, conversation_id: int) -> list[dict[str, Any]]:
-        """The conversation as replay-script lines ({"system"|"user"|"assistant": text})."""
+        """The conversation as replay-script lines ({"system"|"user"|"assistant": text}); ValueError where there is
+        no such conversation (not an empty script)."""
+        self.conversation(conversation_id)
         return [{m["role"]: m["text"]} for m in self.messages(conversation_id)]

@@ -151,8 +151,10 @@ def test_conversations_list_show_export(model_dir, tmp_path, capsys):
     code, _, _ = _run(capsys, "conversations", "export", cid, "--db", db, "-o", tmp_path / "x.jsonl")
     assert code == 0
     assert [json.loads(x) for x in (tmp_path / "x.jsonl").read_text().splitlines()] == SCRIPT[:3]
-    code, _, err = _run(capsys, "conversations", "show", 999, "--db", db)
-    assert code == 2 and "no conversation 999" in err
+    for action in ("show", "export"):  # export wrote an empty script and exited 0
+        code, _, err = _run(capsys, "conversations", action, 999, "--db", db, "-o", tmp_path / "none.jsonl")
+        assert code == 2 and "no conversation 999" in err, action
+    assert not (tmp_path / "none.jsonl").exists()
 
 
 @pytest.mark.parametrize("args, content, message", [
