@@ -10,7 +10,7 @@ import time
 
 from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS
 from ..core.engine.turns import TurnResult
-from ..policies import POLICIES
+from ..policies import POLICIES, declared_params
 from .args import CLIError, db_path, parse_setting, prepare
 
 
@@ -63,7 +63,10 @@ def _set(session, pairs: list[str]) -> dict:
             raise CLIError(f"/set takes key=value, got {kv!r}")
         k, v = kv.split("=", 1)
         if k not in SETTABLE:
-            raise CLIError(f"/set cannot change {k!r} (/help lists the settings)")
+            owners = declared_params().get(k, (None, []))[1]
+            hint = (f"; a parameter of {', '.join(owners)}: /policy {owners[0]} {k}=VALUE" if owners
+                    else " (/help lists the settings)")
+            raise CLIError(f"/set cannot change {k!r}{hint}")
         p = SETTABLE[k]
         (cache if p in CACHE_SETTINGS else sampling)[k] = parse_setting(p, v)
     new_sampling = session.sampling.changed(**sampling)
@@ -90,7 +93,10 @@ def _chat_command(session, line: str) -> bool:
         if cmd == "policy":
             if not rest:
                 raise CLIError(f"/policy needs a name: {', '.join(POLICIES)}")
-            applied = session.configure(policy=rest[0], params=dict(kv.split("=", 1) for kv in rest[1:] if "=" in kv))
+            bare = [kv for kv in rest[1:] if "=" not in kv]
+            if bare:
+                raise CLIError(f"/policy takes its parameters as key=value, got {bare[0]!r}")
+            applied = session.configure(policy=rest[0], params=dict(kv.split("=", 1) for kv in rest[1:]))
         elif cmd == "budget":
             if len(rest) != 1 or not rest[0].isdigit():
                 raise CLIError("/budget needs one number")
