@@ -167,10 +167,12 @@ class Store:
         return conversation_id
 
     @guarded
-    def record_settings(self, conversation_id: int, change: dict) -> None:
+    def record_settings(self, conversation_id: int, change: dict, settings: dict) -> None:
+        """A settings change (``change``: its record, the settings it left as they resolve) and the conversation's
+        settings as set (what a reopen takes: a window left to the budget stays so)."""
         with self._writing():
             self.db.table("settings_changes").insert(_dump({**change, "conversation_id": conversation_id}))
-            self.db.table("conversations").update(conversation_id, _dump({"settings": change["settings"]}))
+            self.db.table("conversations").update(conversation_id, _dump({"settings": settings}))
 
     @guarded
     def truncate(self, conversation_id: int, turn: int, conversation: dict) -> None:

@@ -252,18 +252,22 @@ def test_a_kept_key_is_its_computed_key_rotated_once_to_its_slot(tiny, tmp_path)
     assert torch.equal(stored[:, : k0.shape[-1]], k0) and torch.equal(stored[:, k0.shape[-1]:], layer.values[:n])
 
 
-def test_a_live_settings_change_between_turns_reopens_exactly(tiny, tmp_path):
+@pytest.mark.parametrize("sized", [dict(window=8, slack=8), {}])  # {}: window and slack follow the budget
+def test_a_live_settings_change_between_turns_reopens_exactly(tiny, tmp_path, sized):
     model = tiny("llama")
-    live = Session(model, Settings(policy="streaming", budget=64, window=8, slack=8), store=Store(tmp_path / "a.db"),
+    live = Session(model, Settings(policy="streaming", budget=64, **sized), store=Store(tmp_path / "a.db"),
                    sampling=GREEDY)
     for user, reply in TURNS:
         live.exchange(user, reply)
     live.configure(budget=40)  # compresses at once
     live.configure(policy="h2o", groups="sentence")
     reopened = Session.resume(model, Store(tmp_path / "a.db"), live.conversation_id, sampling=GREEDY)
+    # the settings as set, not as resolved: a window left to the budget was stored as the budget's then (10), and a
+    # reopened chat kept it at any later budget where the live one's followed
     assert reopened.restored_from == "archive" and reopened.settings == live.settings
     assert_same_cache(reopened, live)
     assert reopened.chat("Go on.").answer == live.chat("Go on.").answer
+    assert reopened.configure(budget=96) == live.configure(budget=96)
 
 
 def test_a_session_that_stored_nothing_leaves_no_files(tiny, tmp_path):

@@ -210,7 +210,7 @@ def record_settings(session, record: dict) -> None:
     budget compresses at once), else with its first turn."""
     if session.store is not None and session.conversation_id is not None:
         write_state(session)
-        session.store.record_settings(session.conversation_id, record)
+        session.store.record_settings(session.conversation_id, record, asdict(session.settings))
         committed(session)
     else:
         session.pending_settings.append(record)
