@@ -88,11 +88,13 @@ def _short_number(value: int) -> str:
     return text if len(text) <= 20 else f"{text[:8]}... ({len(text)} digits)"
 
 
-def settings_from_args(args) -> Settings:
-    """The cache settings given on the command line (each parsed by its declaration), defaults for the rest."""
-    given = {p.name: parse_setting(p, getattr(args, p.name)) for p in CACHE_SETTINGS
-             if getattr(args, p.name) is not None}
-    policy = given.get("policy", Settings.policy)
+def _given(args) -> dict:
+    return {p.name: parse_setting(p, getattr(args, p.name)) for p in CACHE_SETTINGS
+            if getattr(args, p.name) is not None}
+
+
+def _params(args, policy: str) -> dict:
+    """The policy parameters given on the command line, each one ``policy`` must take (CLIError otherwise)."""
     cls_params = {p.name for p in POLICIES[policy].params} if policy in POLICIES else set()
     params = {}
     for name in declared_params():
@@ -103,7 +105,28 @@ def settings_from_args(args) -> Settings:
             raise CLIError(f"--{name.replace('_', '-')} does not apply to policy {policy}")
         parse_setting(declared_params()[name][0], value)  # checked here (a huge int); the policy parses it again
         params[name] = value
-    return Settings(params=params, **given)
+    return params
+
+
+def settings_from_args(args) -> Settings:
+    """The cache settings given on the command line (each parsed by its declaration), defaults for the rest. With
+    ``--resume`` the policy parameters are checked against the resumed conversation's policy (``resumed_changes``)."""
+    given = _given(args)
+    if getattr(args, "resume", None) is not None and "policy" not in given:
+        return Settings(**given)
+    return Settings(params=_params(args, given.get("policy", Settings.policy)), **given)
+
+
+def resumed_changes(args, settings: Settings) -> dict:
+    """The cache flags given with ``--resume``, as changes to the resumed conversation's ``settings`` for
+    ``Session.configure`` (as ``/policy`` and ``/set`` make them): its policy's parameters kept unless the policy
+    changes, a given parameter checked against the policy it will apply to. Empty when none is given."""
+    changes = _given(args)
+    policy = changes.get("policy", settings.policy)
+    params = _params(args, policy)
+    if params or policy != settings.policy:
+        changes["params"] = {**(settings.params if policy == settings.policy else {}), **params}
+    return changes
 
 
 def sampling_from_args(args) -> dict:
@@ -123,7 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     _cache_args(chat)
     _sampling_args(chat)
     chat.add_argument("--system", default=None, help="system prompt (default: the model's own)")
-    chat.add_argument("--resume", type=int, default=None, metavar="ID", help="continue a saved conversation")
+    chat.add_argument("--resume", type=int, default=None, metavar="ID",
+                      help="continue a saved conversation, cache restored, with its stored settings changed by the "
+                           "cache flags given (as /policy and /set change them)")
 
     replay = sub.add_parser("replay", help="replay scripted conversations headless")
     replay.add_argument("scripts", nargs="+", help="kvchat JSONL, ShareGPT JSON or MT-Bench JSONL files")
@@ -134,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--no-save", action="store_true", help="do not store the conversations in the database")
     replay.add_argument("--resume", type=int, default=None, metavar="ID",
                         help="continue stored conversation ID with the script: its turns must be the script's first "
-                             "ones; the rest is replayed on its restored cache with its stored cache settings")
+                             "ones; the rest is replayed on its restored cache with its stored cache settings, changed by the "
+                             "cache flags given")
 
     serve = sub.add_parser("serve", help="the web UI (Gradio) on http://127.0.0.1:7860")
     _model_args(serve)
@@ -180,7 +206,8 @@ def prepare(args, check_settings: bool = True):
     model loads), load the model, then resolve the sampling settings against the model's own defaults and, with
     ``check_settings``, check the cache settings against the model. Returns (settings, sampling, model)."""
     settings = settings_from_args(args)
-    settings.validate(max_positions=1 << 30)
+    if check_settings:  # else a resumed conversation's: its own settings changed by the flags, checked when applied
+        settings.validate(max_positions=1 << 30)
     given = sampling_from_args(args)
     Sampling().changed(**given)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)

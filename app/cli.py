@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS
 from ..policies import POLICIES, Param
-from .args import CLIError, build_parser, db_path, prepare
+from .args import CLIError, build_parser, db_path, prepare, resumed_changes
 
 EXIT_USAGE = 2
 
@@ -111,7 +111,7 @@ def cmd_replay(args) -> int:
     if args.resume is not None and (len(scripts) != 1 or args.no_save):
         raise CLIError("--resume continues one stored conversation: give one script of one conversation, "
                        "without --no-save")
-    settings, sampling, model = prepare(args)
+    settings, sampling, model = prepare(args, check_settings=args.resume is None)  # resumed: checked as applied
     store = None if args.no_save else Store(db_path(args.db))
     done = 0
     if args.resume is not None:
@@ -125,6 +125,12 @@ def cmd_replay(args) -> int:
     for si, script in enumerate(scripts):
         if args.resume is not None:
             session = Session.resume(model, store, args.resume, sampling=sampling)
+            try:
+                if applied := session.configure(**resumed_changes(args, session.settings)):
+                    tqdm.write(f"changed from its stored settings: {applied}", file=sys.stderr)
+            except BaseException:
+                session.close()
+                raise
         else:
             session = Session(model, settings, system=script.system or "default", store=store, sampling=sampling,
                               seed=args.seed, title=Path(script.name).name)

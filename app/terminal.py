@@ -11,7 +11,7 @@ import time
 from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS
 from ..core.engine.turns import TurnResult
 from ..policies import POLICIES, declared_params
-from .args import CLIError, db_path, parse_setting, prepare
+from .args import CLIError, db_path, parse_setting, prepare, resumed_changes
 
 
 def stream(session, gen) -> TurnResult:
@@ -113,7 +113,10 @@ def cmd_chat(args) -> int:
     from ..core.engine.session import Session
     from ..storage.db import Store
 
-    # A resumed conversation keeps its stored settings: the cache flags are then checked only on their own.
+    if args.resume is not None and args.system is not None:
+        raise CLIError("--system starts a new conversation; a resumed one keeps its own system prompt")
+    # A resumed conversation keeps its stored settings but for the cache flags given, applied to them once it is
+    # open (as /policy and /set would): they are checked then, against the model, in that combination.
     settings, sampling, model = prepare(args, check_settings=args.resume is None)
     store = Store(db_path(args.db))
     if args.resume is not None:
@@ -123,10 +126,12 @@ def cmd_chat(args) -> int:
     else:
         session = Session(model, settings, system=args.system or "default", store=store, sampling=sampling,
                           seed=args.seed)
-    s = session.settings
-    print(f"{model.name} | policy {s.policy} | budget {s.budget} | groups {s.groups} | positions {s.positions} | "
-          "/help for commands", file=sys.stderr)
     try:
+        if args.resume is not None and (applied := session.configure(**resumed_changes(args, session.settings))):
+            print(f"changed from its stored settings: {applied}", file=sys.stderr)
+        s = session.settings
+        print(f"{model.name} | policy {s.policy} | budget {s.budget} | groups {s.groups} | positions {s.positions} "
+              "| /help for commands", file=sys.stderr)
         while True:
             try:
                 line = input("you> ")

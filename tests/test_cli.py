@@ -1,5 +1,6 @@
 """The command line: replay, policies, conversations, terminal chat, and one-line errors with exit status 2."""
 
+import io
 import json
 import subprocess
 import sys
@@ -226,6 +227,42 @@ def test_terminal_chat_with_commands(model_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "cache restored from archive" in proc.stderr
     assert len(Store(db).messages(conv["id"])) == 7
+
+
+def test_cache_flags_given_with_resume_change_the_stored_settings(model_dir, tmp_path, capsys, monkeypatch):
+    """``--resume`` with cache flags continues the conversation with its stored settings changed by them, as
+    /policy and /set change them (they were ignored without a word); the same command again changes nothing."""
+    db = tmp_path / "kv.db"
+    script = _write(tmp_path / "s.jsonl", SCRIPT[:3])
+    code, _, _ = _run(capsys, "replay", script, "--model", model_dir, "--budget", 64, "--db", db, "--json")
+    cid = Store(db).conversations()[0]["id"]
+
+    def chat(*flags, stdin="/quit\n"):
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+        return _run(capsys, "chat", "--model", model_dir, "--db", db, "--resume", cid, "--max-new-tokens", 3, *flags)
+
+    code, _, err = chat("--policy", "h2o", "--heavy", 8, "--budget", 48, stdin="Hello\n/quit\n")
+    assert code == 0 and "changed from its stored settings: {'policy': 'h2o', 'params': {'heavy': '8'}" in err, err
+    stored = Store(db).conversation(cid)["settings"]
+    assert (stored["policy"], stored["params"], stored["budget"]) == ("h2o", {"heavy": "8"}, 48)
+    code, _, err = chat("--average", "false")  # a parameter alone: the policy's others kept
+    assert code == 0 and Store(db).conversation(cid)["settings"]["params"] == {"heavy": "8", "average": "false"}
+    code, _, err = chat("--policy", "h2o", "--budget", 48)
+    assert code == 0 and "changed from" not in err
+    changes = [c["changes"] for c in Store(db).settings_changes(cid)]
+    assert len(changes) == 2 and changes[0]["policy"] == "h2o" and changes[1] == {"params": changes[1]["params"]}
+    for flags, message in [(("--obs-window", 4), "--obs-window does not apply to policy h2o"),
+                           (("--window", 100), "budget (48) must be at least sink + window (4 + 100)"),
+                           (("--system", "Be brief."), "--system starts a new conversation")]:
+        code, _, err = chat(*flags)
+        assert code == 2 and message in err, (flags, err)
+    assert Store(db).conversation(cid)["settings"] == {**stored, "params": {"heavy": "8", "average": "false"}}
+    # replay --resume takes them alike
+    longer = _write(tmp_path / "s2.jsonl", SCRIPT[:3] + [{"user": "Hello"}, {"user": "And again?"}])
+    code, _, err = _run(capsys, "replay", longer, "--model", model_dir, "--db", db, "--resume", cid, "--json",
+                        "--budget", 40, "--max-new-tokens", 3)
+    assert code == 0 and "changed from its stored settings: {'budget': 40" in err, err
+    assert Store(db).conversation(cid)["settings"]["budget"] == 40
 
 
 def test_console_script_is_installed():
