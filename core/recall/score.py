@@ -67,6 +67,8 @@ class QueryTap:
         q, pos = query[0].float(), self.positions
         if self.keep is not None:
             q, pos = q[:, self.keep], pos[self.keep]
+            if not q.shape[1]:  # a chunk of scaffolding alone (a message typed as "<|im_start|>"): no query to keep
+                return
         if li in self.queries:
             q, pos = torch.cat([self.queries[li], q], 1), torch.cat([self.qpos[li], pos])
         self.queries[li], self.qpos[li] = q[:, -QUERY_ROWS:], pos[-QUERY_ROWS:]
