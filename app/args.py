@@ -159,8 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--no-save", action="store_true", help="do not store the conversations in the database")
     replay.add_argument("--resume", type=int, default=None, metavar="ID",
                         help="continue stored conversation ID with the script: its turns must be the script's first "
-                             "ones; the rest is replayed on its restored cache with its stored cache settings, changed by the "
-                             "cache flags given")
+                             "ones; the rest is replayed on its restored cache with its stored cache settings, changed "
+                             "by the cache flags given")
 
     serve = sub.add_parser("serve", help="the web UI (Gradio) on http://127.0.0.1:7860")
     _model_args(serve)
