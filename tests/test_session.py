@@ -184,9 +184,14 @@ def test_original_positions_warn_past_max_positions(tiny):
 
 
 def test_learned_positions_cannot_pass_max_in_original_mode(tiny):
+    """The refusal names the way on: a bounded policy is already there (it said "switch to a bounded policy"),
+    re-rotated positions go on."""
     session = Session(tiny("gpt2"), Settings(policy="streaming", budget=64, window=8, positions="original"))
-    with pytest.raises(ContextFullError):
+    with pytest.raises(ContextFullError, match="switch to --positions rerotate"):
         _long_chat(session, turns=12, tokens=30)
+    session.configure(positions="rerotate")
+    _long_chat(session, turns=4, tokens=30)
+    assert session.total_tokens > session.model.max_positions
 
 
 def test_rerotate_keeps_positions_within_budget_forever(tiny):

@@ -380,9 +380,11 @@ class Session(Feeding, Generation, SessionReads):
     def _check_fits(self, m: int) -> None:
         limit, nxt = self.model.max_positions, self._next_position()
         if self._hard_limit() and nxt + m > limit:
+            way = ("switch to a bounded policy (e.g. streaming)" if not self.policy.bounded else
+                   "switch to --positions rerotate (this model's positions are learned: original ones end there)")
             raise ContextFullError(
                 f"this message needs {m} more positions but only {max(limit - nxt, 0)} of the model's {limit} are "
-                f"left; switch to a bounded policy (e.g. streaming) to go on"
+                f"left; {way} to go on"
             )
         if self.settings.positions == "original" and nxt + m > limit:
             self.warn("positions", f"original positions now pass the model's {limit} trained positions; "
