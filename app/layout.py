@@ -180,7 +180,7 @@ class Layout:
         chat.undo.click(self.undo, None, stream_outputs, **model_queue)
         chat.retry.click(self.retry, None, stream_outputs, **model_queue)
 
-        settings_out = [chat.plot, chat.heads, chat.cache_html, status, info]
+        settings_out = [chat.plot, chat.heads, chat.cache_html, status, info, side.conversations]
         panel.policy.input(self.policy_changed, [panel.policy], [*panel.params, panel.summary]).then(
             self.apply_settings, settings_inputs, settings_out)
         for box in settings_inputs:

@@ -243,7 +243,7 @@ class WebApp(Layout):
     def apply_settings(self, request: gr.Request, *values, quiet: bool = False):
         """Settings widgets (cache settings, then policy parameters) -> the live session. Every value is parsed by
         its declaration first; a bad one is a visible error and nothing is applied. Returns charts, head map, cache
-        view, status, info."""
+        view, status, info and the saved conversations (their policy as stored, which a change rewrites)."""
         key = request.session_hash
         cache_values, param_values = values[:len(CACHE_SETTINGS)], dict(zip(self.params, values[len(CACHE_SETTINGS):]))
         try:
@@ -264,18 +264,19 @@ class WebApp(Layout):
             applied = entry.session.configure(params=params, **changes)
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
-            return [gr.skip()] * 3 + [_error(str(exc)), gr.skip()]
+            return [gr.skip()] * 3 + [_error(str(exc)), gr.skip(), gr.skip()]
         if applied:
             what = ", ".join(f"{k} {before.get(k)} → {v}" for k, v in applied.items() if k != "params")
             if "params" in applied:
                 what = ", ".join(filter(None, [what, f"params {applied['params'] or 'defaults'}"]))
             status = f"applied: {what}"
         elif quiet:
-            return [gr.skip()] * 5  # the blur after an Enter that already applied the value
+            return [gr.skip()] * 6  # the blur after an Enter that already applied the value
         else:
             status = "settings unchanged"
         s = entry.session
-        return [self._charts(entry), self._head_map(entry), cache_view(s), status, self._info(key, entry)]
+        return [self._charts(entry), self._head_map(entry), cache_view(s), status, self._info(key, entry),
+                self._conversations(entry) if applied else gr.skip()]
 
     def apply_settings_on_blur(self, request: gr.Request, *values):
         """Leaving a field applies it too, silently when nothing changed."""

@@ -198,6 +198,19 @@ def test_sampling_and_settings_handlers_parse_by_declaration(web):
     assert len(web._settings_values(web.manager.get("a"))) == web.n_settings
 
 
+def test_the_saved_list_follows_a_settings_change(web):
+    """The saved conversations show each one's policy as stored; a change in the settings panel rewrites it, and
+    the list now shows it at once (it showed the old policy until the next turn)."""
+    request = _Request("a")
+    s = web.manager.entry("a").session
+    _chat(s, turns=1)
+    out = web.apply_settings(request, *_values(web, s, policy="h2o"))
+    assert "applied" in out[3] and len(out) == 6
+    (label,) = [label for label, cid in out[5]["choices"] if cid == s.conversation_id]
+    assert " · h2o · " in label and out[5]["value"] == s.conversation_id
+    assert "choices" not in web.apply_settings(request, *_values(web, s, budget=None))[5]  # an error: left as is
+
+
 def test_full_policy_reserves_the_models_positions(manager):
     full = SETTINGS.changed(policy="full")
     assert manager.reserve(full) == 2 * manager.model.max_positions * manager.per_position_bytes()
