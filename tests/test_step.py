@@ -2,6 +2,8 @@
 
 import copy
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -117,6 +119,22 @@ def test_layer_operator_gives_the_bits_of_its_parts(arch, tokenizer, monkeypatch
         for t in ("keys", "values", "abs_pos"):
             assert torch.equal(getattr(x, t), getattr(y, t)), t
         assert torch.equal(x.stats["acc"], y.stats["acc"])
+
+
+def test_a_kvchat_killed_while_it_loaded_its_operators_does_not_stop_the_next_one():
+    """torch marks a build or load of the operators in progress by a file in their build folder and every later
+    load waits for it to go; ``kill -9`` in that second of a kvchat's start left it there, and the next kvchat (and
+    every one after) waited forever (seen: the crash test's replays, killed at random moments, hung CI)."""
+    assert kernels.load() is None
+    baton = kernels.build_directory(kernels.extension_name()) / "lock"
+    baton.touch()  # what the killed process left
+    try:
+        proc = subprocess.run([sys.executable, "-c", "from kvchat.core.ops import kernels; print(kernels.load())"],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        baton.unlink(missing_ok=True)
+    assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stderr
+    assert "left by a process killed" in proc.stderr
 
 
 def test_layer_operator_refuses_bad_input():

@@ -88,18 +88,20 @@ def load() -> str | None:
 
             _find_ninja()
 
-            # -march=native: one build per CPU kind (torch's extension cache is keyed by the name, not the CPU)
-            name = f"kvchat_decode_ops_{torch.backends.cpu.get_cpu_capability().lower()}"
+            name = extension_name()
             # Loading a build takes a fraction of a second; building takes ~30 s on a 2-core machine, once: said
             # when it is taking that long.
             notice = threading.Timer(3.0, log.warning, ("building kvchat's decode operators (core/ops/kernels.py; once "
                                                         "per machine and version, about half a minute on 2 cores)",))
             notice.daemon = True
             notice.start()
+            folder = build_directory(name)
             try:
-                build(name, sources=[str(p) for p in SOURCES], is_python_module=False,
-                      extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DKVCHAT_BLOCK={BLOCK}"],
-                      extra_include_paths=[str(SOURCES[0].parent)], extra_ldflags=["-fopenmp"])
+                with _held(folder / "kvchat.lock"):
+                    _clear_stale_baton(folder)
+                    build(name, sources=[str(p) for p in SOURCES], is_python_module=False, build_directory=str(folder),
+                          extra_cflags=["-O3", "-march=native", "-fopenmp", f"-DKVCHAT_BLOCK={BLOCK}"],
+                          extra_include_paths=[str(SOURCES[0].parent)], extra_ldflags=["-fopenmp"])
             finally:
                 notice.cancel()
             _register_fakes()
@@ -110,6 +112,52 @@ def load() -> str | None:
                         "products", why)
         _state["why"] = why
         return why
+
+
+def extension_name() -> str:
+    """-march=native: one build per CPU kind (torch's extension cache is keyed by the name, not the CPU)."""
+    return f"kvchat_decode_ops_{torch.backends.cpu.get_cpu_capability().lower()}"
+
+
+def build_directory(name: str) -> Path:
+    """Where torch builds the extension ``name`` (its own choice, ``$TORCH_EXTENSIONS_DIR`` or its cache; a
+    folder of kvchat's own under its cache should torch's private helper go)."""
+    from torch.utils import cpp_extension
+
+    helper = getattr(cpp_extension, "_get_build_directory", None)
+    if helper is not None:
+        return Path(helper(name, False))
+    folder = Path(cpp_extension.get_default_build_root()) / "kvchat" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@contextlib.contextmanager
+def _held(path: Path):
+    """An exclusive lock on ``path`` for the block, which the system releases when its process dies however it
+    dies (``flock``; where there is none, no lock)."""
+    try:
+        import fcntl
+    except ImportError:  # not a POSIX system
+        yield
+        return
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _clear_stale_baton(folder: Path) -> None:
+    """torch marks a build or load of an extension in progress by a file (``lock``, its ``FileBaton``) that it
+    removes when done, and every later load waits for that file to go: a process killed in between (``kill -9``
+    while kvchat starts) left it, and every kvchat after it waited forever. Every kvchat takes ``_held``'s lock
+    before torch's file, so a file found while holding it was left by a process that died."""
+    baton = folder / "lock"
+    if baton.exists():
+        log.warning("removing %s, left by a process killed while it built or loaded kvchat's operators", baton)
+        baton.unlink(missing_ok=True)
 
 
 def _find_ninja() -> None:
