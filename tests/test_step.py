@@ -137,6 +137,18 @@ def test_a_kvchat_killed_while_it_loaded_its_operators_does_not_stop_the_next_on
     assert "left by a process killed" in proc.stderr
 
 
+def test_two_installs_build_their_operators_apart(monkeypatch, tmp_path):
+    """torch rebuilds an extension whose sources or include path differ from its last build's: two kvchat installs
+    on one machine under one name rebuilt the operators (~30 s) for every process of the other (seen: a CI clone's
+    suite beside the working tree took 26 minutes instead of 14)."""
+    here = kernels.extension_name()
+    assert kernels.extension_name() == here  # one install: one name, built once
+    monkeypatch.setattr(kernels, "SOURCES", [tmp_path / "csrc" / p.name for p in kernels.SOURCES])
+    other = kernels.extension_name()
+    assert other != here and other.split("_")[:-1] == here.split("_")[:-1]  # the CPU kind kept, the folder told apart
+    assert kernels.build_directory(other) != kernels.build_directory(here)
+
+
 def test_layer_operator_refuses_bad_input():
     assert kernels.load() is None
     heads, groups, cap, dim, hidden, inner = 2, 2, 8, 16, 32, 24

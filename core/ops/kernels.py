@@ -47,15 +47,16 @@ slots shared out over ATen's threads. With AVX, FMA and F16C (x86-64 since about
 written with their intrinsics (for attention, head sizes that are multiples of 8; a key of up to 64 values stays in
 registers while every query meets it); elsewhere as plain loops the compiler vectorizes. All are float32 arithmetic
 in another summation order than the library's (tests/test_step.py compares them with ``torch.bmm``, a widened
-product and the separate operations). They are built once per machine with ``torch.utils.cpp_extension`` (g++;
-ninja, a kvchat dependency; ``-march=native``) into torch's extension cache, and registered as torch operators so
-that ``torch.compile`` calls them inside its graph. ``load()`` says why they cannot be had; the eager step then runs
-without them and the compiled step uses ``torch.bmm`` and inductor's own products.
+product and the separate operations). They are built once per machine and install with
+``torch.utils.cpp_extension`` (g++; ninja, a kvchat dependency; ``-march=native``) into torch's extension cache, and
+registered as torch operators so that ``torch.compile`` calls them inside its graph. ``load()`` says why they cannot
+be had; the eager step then runs without them and the compiled step uses ``torch.bmm`` and inductor's own products.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
@@ -77,8 +78,8 @@ _state: dict[str, object] = {}
 
 
 def load() -> str | None:
-    """Build (once per machine) and register the operators; None when ``torch.ops.kvchat`` has them, else why not
-    (said once in the log)."""
+    """Build (once per machine and install) and register the operators; None when ``torch.ops.kvchat`` has them,
+    else why not (said once in the log)."""
     with _lock:
         if "why" in _state:
             return _state["why"]
@@ -115,8 +116,11 @@ def load() -> str | None:
 
 
 def extension_name() -> str:
-    """-march=native: one build per CPU kind (torch's extension cache is keyed by the name, not the CPU)."""
-    return f"kvchat_decode_ops_{torch.backends.cpu.get_cpu_capability().lower()}"
+    """One build per CPU kind (-march=native; torch's extension cache is keyed by the name, not the CPU) and per
+    folder the sources lie in: torch rebuilds an extension whose sources or include path differ from its last build's,
+    so two kvchat installs on one machine under one name rebuilt it (~30 s) for every process of the other."""
+    where = hashlib.sha1(str(SOURCES[0].parent.resolve()).encode()).hexdigest()[:8]
+    return f"kvchat_decode_ops_{torch.backends.cpu.get_cpu_capability().lower()}_{where}"
 
 
 def build_directory(name: str) -> Path:
