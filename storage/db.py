@@ -19,6 +19,8 @@ from typing import Any
 
 import sqlite_utils
 
+from . import holding
+
 
 def now_iso() -> str:
     """The time stamp of a stored row (UTC, milliseconds)."""
@@ -187,11 +189,19 @@ class Store:
 
     @guarded
     def rename(self, conversation_id: int, title: str) -> None:
-        self.conversation(conversation_id)
+        row = self.conversation(conversation_id)
         if not title.strip():
             raise ValueError("title is empty")
-        with self._writing():
+        with self._held(row), self._writing():  # refused while another process has it open: it would write its title
             self.db.table("conversations").update(conversation_id, {"title": title.strip()})
+
+    def _held(self, row: dict):
+        """Conversation ``row`` held by this process for a block (storage/holding.py): ValueError if another process
+        has it open."""
+        folder = self.archive_folder(row["archive"]) if row.get("archive") else None
+        if folder is None or not folder.is_dir():
+            return contextlib.nullcontext()
+        return holding.held(folder, f"conversation {row['id']}")
 
     def archive_folder(self, name: str) -> Path:
         """Where the archive (every token's KV, storage/archive.py) and cache state of a conversation live."""
@@ -202,14 +212,15 @@ class Store:
         """Delete a conversation with (unless ``keep_archive``) its archive; a cache snapshot of an older kvchat
         goes too."""
         row = self.conversation(conversation_id)
-        with self._writing():
-            for table in ("messages", "turn_stats", "eviction_events", "settings_changes"):
-                self.db.execute(f"DELETE FROM {table} WHERE conversation_id = ?", [conversation_id])
-            self.db.execute("DELETE FROM conversations WHERE id = ?", [conversation_id])
-        if row.get("snapshot_path"):
-            Path(row["snapshot_path"]).unlink(missing_ok=True)
-        if row.get("archive") and not keep_archive:
-            shutil.rmtree(self.archive_folder(row["archive"]), ignore_errors=True)
+        with self._held(row):  # refused while another process has it open; no process opens it while it goes
+            with self._writing():
+                for table in ("messages", "turn_stats", "eviction_events", "settings_changes"):
+                    self.db.execute(f"DELETE FROM {table} WHERE conversation_id = ?", [conversation_id])
+                self.db.execute("DELETE FROM conversations WHERE id = ?", [conversation_id])
+            if row.get("snapshot_path"):
+                Path(row["snapshot_path"]).unlink(missing_ok=True)
+            if row.get("archive") and not keep_archive:
+                shutil.rmtree(self.archive_folder(row["archive"]), ignore_errors=True)
 
     # -- reading ----------------------------------------------------------------------------------------------
     @guarded

@@ -4,6 +4,7 @@ import io
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -263,6 +264,56 @@ def test_cache_flags_given_with_resume_change_the_stored_settings(model_dir, tmp
                         "--budget", 40, "--max-new-tokens", 3)
     assert code == 0 and "changed from its stored settings: {'budget': 40" in err, err
     assert Store(db).conversation(cid)["settings"]["budget"] == 40
+
+
+def test_a_conversation_open_in_one_process_is_refused_to_another(model_dir, tmp_path, capsys, monkeypatch):
+    """Two processes with one conversation open wrote turns on top of each other's state: the second's turn files
+    were renamed or removed under the first (its reply failed, lost), and a delete from another command removed
+    the folder under a running chat. While a process has a conversation open, another's resume, delete or rename
+    is refused in one line naming it; the system gives it back when that process ends, however it ends."""
+    db = tmp_path / "kv.db"
+    code, _, _ = _run(capsys, "replay", _write(tmp_path / "s.jsonl", SCRIPT[:3]), "--model", model_dir, "--db", db,
+                      "--budget", 64, "--json")
+    cid = Store(db).conversations()[0]["id"]
+    held = Store(db).archive_folder(Store(db).conversation(cid)["archive"]) / "held"
+
+    def holder():  # a terminal chat on the conversation, waiting at its prompt
+        proc = subprocess.Popen([sys.executable, "-m", "kvchat.app.cli", "chat", "--model", str(model_dir), "--db",
+                                 str(db), "--resume", str(cid), "--max-new-tokens", "3"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(600):
+            if held.is_file() and held.read_text().strip() == str(proc.pid):
+                return proc
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        proc.kill()
+        raise AssertionError("the chat did not open the conversation in 120 s")
+
+    def chat(stdin="Hello\n"):
+        monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+        return _run(capsys, "chat", "--model", model_dir, "--db", db, "--resume", cid, "--max-new-tokens", 3)
+
+    first = holder()
+    try:
+        refusal = f"conversation {cid} is open in another kvchat process (pid {first.pid}); close it there first"
+        for code, _, err in [chat(), _run(capsys, "conversations", "delete", cid, "--db", db),
+                             _run(capsys, "conversations", "rename", cid, "Other", "--db", db),
+                             _run(capsys, "replay", tmp_path / "s.jsonl", "--model", model_dir, "--db", db,
+                                  "--resume", cid)]:
+            assert code == 2 and refusal in err, err
+        out, err = first.communicate("And you?\n", timeout=120)  # the holder's turn goes on and is stored
+        assert first.returncode == 0, err
+    finally:
+        first.kill()
+    conv = Store(db).conversation(cid)
+    assert conv["title"] != "Other" and len(Store(db).messages(cid)) == 5
+    code, _, err = chat()  # closed there: open here
+    assert code == 0 and len(Store(db).messages(cid)) == 7, err
+    second = holder()
+    second.kill()  # kill -9: nothing is left to clear
+    second.wait()
+    code, _, err = _run(capsys, "conversations", "delete", cid, "--db", db)
+    assert code == 0 and Store(db).conversations() == [], err
 
 
 def test_console_script_is_installed():

@@ -193,7 +193,7 @@ def test_disk_stays_bounded_with_recall_off(tiny, tmp_path, policy):
     bound = layers * heads * (settings.capacity + longest)
     assert max(sizes) <= 2 * bound  # the held rows, one turn's new ones, and those the undo copy still names
     assert sizes[-1] == sizes[-10] or max(sizes[-10:]) <= bound  # flat once full
-    assert sorted(p.name for p in live.files.folder.iterdir()) == ["rows.bin", "rows.txt",
+    assert sorted(p.name for p in live.files.folder.iterdir()) == ["held", "rows.bin", "rows.txt",
                                                                    f"state-{live.turn}.safetensors"]
     assert live.digests is None
     reopened = Session.resume(model, Store(tmp_path / "kv.db"), live.conversation_id, sampling=GREEDY)

@@ -2,6 +2,8 @@
 view against the engine's own numbers."""
 
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -209,6 +211,27 @@ def test_the_saved_list_follows_a_settings_change(web):
     (label,) = [label for label, cid in out[5]["choices"] if cid == s.conversation_id]
     assert " · h2o · " in label and out[5]["value"] == s.conversation_id
     assert "choices" not in web.apply_settings(request, *_values(web, s, budget=None))[5]  # an error: left as is
+
+
+def test_a_conversation_another_process_has_open_is_refused_in_the_page(web):
+    """A terminal chat (another kvchat process) has the conversation open: opening or deleting it in the web UI is
+    a visible error (two processes wrote turns on top of each other's state), and works once that process ends."""
+    s = web.manager.entry("a").session
+    _chat(s, turns=1)
+    cid, folder = s.conversation_id, s.files.folder
+    web.manager.release("a")  # the tab closed: this process gives it back
+    other = subprocess.Popen([sys.executable, "-c", "import sys; from kvchat.storage import holding; "
+                              f"holding.hold({str(folder)!r}, 'x'); print('held', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "held"
+        refusal = f"conversation {cid} is open in another kvchat process (pid {other.pid})"
+        assert refusal in web.open_conversation(cid, _Request("b"))[5]
+        assert refusal in web.delete(cid, _Request("b"))[5]
+        assert web.manager.holder(cid) is None and web.manager.store.conversation(cid)
+    finally:
+        other.communicate("", timeout=60)
+    assert "opened conversation" in web.open_conversation(cid, _Request("b"))[5]
 
 
 def test_full_policy_reserves_the_models_positions(manager):

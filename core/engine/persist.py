@@ -8,7 +8,8 @@ conversation has a folder beside the database (``archive/<name>/``) holding:
 * ``state-<turn>.safetensors`` (storage/statefile.py): which position and row each slot holds, where each key was
   computed, the per-slot statistics, the observer's queries, the policy's state, the sampling generator, and the
   window of recall's digests;
-* ``digests/`` (storage/digests.py): recall's digests of every sentence group (recall on), capped.
+* ``digests/`` (storage/digests.py): recall's digests of every sentence group (recall on), capped;
+* ``held``: locked by the process that has the conversation open, one at a time (storage/holding.py).
 
 When a turn closes: the cache's new rows (the turn's tokens it still holds, recalled text) are written into rows
 that no committed state and no undo copy names, and synced; the digests are synced; the state is written atomically;
@@ -31,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ...storage import statefile
+from ...storage import holding, statefile
 from ...storage.db import now_iso
 from ...storage.kvrows import RowFile
 from ..cache import slab
@@ -51,6 +52,7 @@ class Files:
         self.rows = RowFile(self.folder)
         self.named = np.zeros(0, dtype=np.int64)  # the rows the last committed state names
         self.legacy = None  # an old archive (storage/legacy.py) to delete once a turn has committed in the new form
+        self._holding = None  # this process's hold of the folder (storage/holding.py), given back when called
         # a temporary folder goes when its session is closed, collected, or the interpreter exits (never left in /tmp)
         self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.folder), True) if temporary else None
 
@@ -66,7 +68,28 @@ class Files:
             return 0
         return sum(p.stat().st_size for p in self.folder.rglob("*") if p.is_file())
 
+    def hold(self, what: str) -> None:
+        """Hold the conversation's folder for this process (storage/holding.py): ValueError if another has it open."""
+        if self._holding is None and not self.temporary:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            holding.hold(self.folder, what)
+            self._holding = weakref.finalize(self, holding.release, self.folder)  # or when collected
+
+    def release(self) -> None:
+        if self._holding is not None:
+            self._holding()
+            self._holding = None
+
+    def close(self, stored: bool) -> None:
+        """Given back (another process may open the conversation now); deleted if nothing was ever ``stored`` with
+        them, or if they were a temporary folder."""
+        if self.temporary or not stored:
+            self.delete()
+        else:
+            self.release()
+
     def delete(self) -> None:
+        self.release()
         if self._cleanup is not None:
             self._cleanup()
         else:
@@ -115,6 +138,7 @@ def commit(session, record: dict) -> None:
     if session.title is None:
         first = next((m["text"] for r in session.pending for m in r["messages"] if m["role"] == "user"), "")
         session.title = " ".join(first.split())[:60] or "conversation"
+    session.files.hold("this conversation")  # a new one: its folder is new, and held before the conversation exists
     write_state(session)
     record["stats"]["disk_bytes"] = session.disk_bytes  # what the conversation keeps beside the database now
     session.conversation_id = store.commit_turns(session.conversation_id, conversation_row(session),

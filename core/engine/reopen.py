@@ -40,6 +40,19 @@ def resume(cls, model, store, conversation_id: int, exact: bool = True, sampling
     session = cls(model, settings, system=None, store=store, sampling=sampling, seed=conv["seed"] or 0,
                   title=conv["title"], undo=undo, folder=folder)
     session.conversation_id = conversation_id
+    try:
+        if folder is not None and folder.is_dir():  # another process with it open would write under us (a missing
+            session.files.hold(f"conversation {conversation_id}")  # folder is made, and held, by the next commit)
+            store.conversation(conversation_id)  # not deleted meanwhile (a delete holds it while it goes)
+        return _read(session, store, conv, folder, exact)
+    except BaseException:
+        session.close()  # the conversation given back at once
+        raise
+
+
+def _read(session, store, conv: dict, folder, exact: bool):
+    """The stored conversation ``conv`` into ``session``: its messages, statistics and cache."""
+    conversation_id, model = conv["id"], session.model
     for m in store.messages(conversation_id):
         idx = session.new_message(m["role"], m["text"])
         session.turn = m["turn"]

@@ -139,8 +139,8 @@ class Session(Feeding, Generation, SessionReads):
         them, or if they were a temporary folder)."""
         self.cancel()
         with self._lock:
-            if self.files is not None and (self.files.temporary or self.conversation_id is None):
-                self.files.delete()
+            if self.files is not None:
+                self.files.close(stored=self.conversation_id is not None)
 
     def reopened(self) -> "Session":
         """After a turn failed midway (a model step that raised, out of GPU memory say, leaves the cache's layers

@@ -1,0 +1,89 @@
+"""One kvchat process at a time per stored conversation.
+
+Two processes with one conversation open (``kvchat chat --resume 3`` twice, or a terminal chat beside the web UI on
+one database) would each write turns on top of the state they read: the second turn's files were renamed or removed
+under the first (a reply failed, and was lost, seen), and a reopen could find the other's rows. So a process that
+opens a stored conversation holds an exclusive lock on a file in its folder (``held``, the holder's pid inside) until
+it closes it; the system releases the lock when the process dies, however it dies, so a crash leaves nothing to
+clear. Another process's open, delete or rename of that conversation is refused in one line, naming the holder.
+Within one process, opening the conversation again is not refused (the web UI moves a conversation between tabs,
+and ``app/sessions.py`` keeps it to one tab): holds are counted per folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not a POSIX system: no locks, as before
+    fcntl = None
+
+NAME = "held"
+
+_lock = threading.Lock()
+_held: dict[str, list[int]] = {}  # folder -> [file descriptor, holds in this process]
+
+
+class HeldElsewhere(ValueError):
+    """The conversation is open in another process."""
+
+
+def hold(folder: Path, what: str) -> None:
+    """Hold ``folder`` (a conversation's, named ``what`` in the error; it must exist) for this process;
+    ``HeldElsewhere`` if another process holds it."""
+    if fcntl is None:
+        return
+    key = str(Path(folder).resolve())
+    with _lock:
+        if key in _held:
+            _held[key][1] += 1
+            return
+        fd = os.open(Path(folder) / NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise HeldElsewhere(_refusal(folder, what)) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        _held[key] = [fd, 1]
+
+
+@contextlib.contextmanager
+def held(folder: Path, what: str):
+    """``hold`` for the block (a delete or rename from another command: refused while a process has it open)."""
+    hold(folder, what)
+    try:
+        yield
+    finally:
+        release(folder)
+
+
+def release(folder: Path) -> None:
+    """Give back one hold of ``folder``; the lock goes with the last (the file stays: removing it would let two
+    processes lock two different files of one name)."""
+    if fcntl is None:
+        return
+    key = str(Path(folder).resolve())
+    with _lock:
+        entry = _held.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _held[key]
+            fcntl.flock(entry[0], fcntl.LOCK_UN)
+            os.close(entry[0])
+
+
+def _refusal(folder: Path, what: str) -> str:
+    try:
+        pid = (Path(folder) / NAME).read_text().strip()
+    except OSError:
+        pid = ""
+    by = f" (pid {pid})" if pid.isdigit() else ""
+    return f"{what} is open in another kvchat process{by}; close it there first"
