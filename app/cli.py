@@ -213,6 +213,7 @@ def cmd_serve(args) -> int:
         raise CLIError(f"--port must be between 1 and 65535, got {args.port}")
     if args.max_sessions < 1 or args.max_cache_mb <= 0:
         raise CLIError("--max-sessions and --max-cache-mb must be positive")
+    _port_free(args.host, args.port)  # before the model loads (Gradio said so after it, naming its own settings)
     settings, sampling, model = prepare(args)
     from .sessions import SessionManager
     from .web import serve
@@ -221,6 +222,24 @@ def cmd_serve(args) -> int:
                              max_sessions=args.max_sessions, max_cache_bytes=int(args.max_cache_mb * 2**20))
     serve(manager, model.name, host=args.host, port=args.port, auth=logins, share=args.share)
     return 0
+
+
+def _port_free(host: str, port: int) -> None:
+    """CLIError if ``host``:``port`` cannot be served on (in use, or an address this machine does not have)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise CLIError(f"--host {host}: {exc.strerror or exc}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds, past a closed one's wait
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise CLIError(f"cannot serve on {host}:{port} ({exc.strerror or exc}; another kvchat serve?): pick "
+                           "another --port") from None
 
 
 def _run_bench(args) -> int:

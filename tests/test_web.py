@@ -395,10 +395,16 @@ def test_a_full_server_says_so(browser, default_dir, tmp_path):
     (["--auth-file", "/nonexistent/logins"], "cannot read auth file"),
     (["--port", "0"], "--port must be between"),
     (["--budget", "8", "--window", "20"], "must be at least sink + window"),
+    (["--port", "PORT IN USE"], "(Address already in use; another kvchat serve?): pick another --port"),
+    (["--host", "no.such.host.invalid", "--auth", "a:b"], "--host no.such.host.invalid:"),
 ])
 def test_serve_refuses_bad_flags_in_one_line(flags, message):
-    done = subprocess.run([sys.executable, "-m", "kvchat.app.cli", "serve", *flags], capture_output=True, text=True,
-                          timeout=120)
+    with socket.socket() as taken:  # a port in use said so before the model loaded, naming kvchat's flag
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        flags = [str(taken.getsockname()[1]) if f == "PORT IN USE" else f for f in flags]
+        done = subprocess.run([sys.executable, "-m", "kvchat.app.cli", "serve", *flags], capture_output=True,
+                              text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.startswith("kvchat: error:") and message in done.stderr
     assert done.stderr.count("\n") == 1
