@@ -8,6 +8,7 @@ import torch
 from kvchat.core.engine import persist
 from kvchat.core.engine.session import Sampling, Session
 from kvchat.core.engine.settings import Settings
+from kvchat.core.engine.tokens import TokenLog
 from kvchat.storage.db import Store
 
 GREEDY = Sampling(max_new_tokens=12, temperature=0.0)
@@ -35,6 +36,9 @@ def assert_same_cache(a: Session, b: Session) -> None:
             assert torch.equal(t, b.observer.state_tensors()[key]), key
     assert a.policy.get_state() == b.policy.get_state()
     assert a.evicted_total == b.evicted_total
+    for name in TokenLog.COLUMNS:  # every token's role, turn, message and sentence (the groups evicted whole)
+        assert torch.equal(a.log.column(name), b.log.column(name)), name
+    assert a.log.sentence == b.log.sentence
 
 
 @pytest.mark.parametrize("policy, positions", [("streaming", "rerotate"), ("h2o", "rerotate"), ("snapkv", "rerotate"),

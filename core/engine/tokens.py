@@ -7,6 +7,7 @@ still sees" view, and a rebuild of the cache from the kept tokens need nothing e
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -43,6 +44,20 @@ def encode_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int
     ids = encode(tokenizer, text)
     ends = [len(tokenizer.decode(ids[: j + 1])) for j in range(len(ids))]
     return ids, list(zip([0] + ends[:-1], ends))
+
+
+_PIECES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> {token id: its text alone}
+
+
+def pieces(tokenizer, ids: list[int]) -> list[str]:
+    """The text of each token alone (what tells where sentences end), each id decoded once per tokenizer: a
+    reopened conversation logs every token it ever fed, and a decode call per message was most of a reopen (2.7 s
+    for 6,000 messages, ad hoc)."""
+    known = _PIECES.setdefault(tokenizer, {})
+    missing = list(set(ids).difference(known))
+    if missing:
+        known.update(zip(missing, tokenizer.batch_decode([[i] for i in missing])))
+    return [known[i] for i in ids]
 
 
 class Detokenizer:
@@ -157,15 +172,16 @@ class TokenLog:
         self.n += m
         return positions
 
-    def append_messages(self, tokenizer, segments: list[tuple[list[int], int, str]], turn: int,
+    def append_messages(self, tokenizer, segments: list[tuple[list[int], int, str]], turn: int | list[int],
                         continue_message: bool = False) -> torch.Tensor:
-        """Log ``segments`` [(ids, message index, role)] fed in turn ``turn``, numbering sentences as they go;
-        ``continue_message``: the first segment continues the message fed last (a reply being decoded)."""
+        """Log ``segments`` [(ids, message index, role)] fed in turn ``turn`` (or each in its own: a list),
+        numbering sentences as they go; ``continue_message``: the first segment continues the message fed last (a
+        reply being decoded)."""
         rows = {name: [] for name in self.COLUMNS}
         last, start_new = self.sentence
-        for n, (ids, msg, role) in enumerate(segments):
-            pieces = tokenizer.batch_decode([[i] for i in ids])
-            sids, last, start_new = sentence_ids(pieces, last, start_new or not (continue_message and n == 0))
+        turns = turn if isinstance(turn, list) else [turn] * len(segments)
+        for n, ((ids, msg, role), turn) in enumerate(zip(segments, turns, strict=True)):
+            sids, last, start_new = sentence_ids(pieces(tokenizer, ids), last, start_new or not (continue_message and n == 0))
             rows["token"] += ids
             rows["sentence"] += sids
             rows["role"] += [ROLES.index(role)] * len(ids)
