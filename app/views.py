@@ -17,6 +17,8 @@ from ..policies import POLICIES
 from ..storage.db import Store
 
 VIEW_TOKENS = 30000  # the cache view shows at most this many of the most recent tokens
+CHART_POINTS = 300  # the charts draw at most this many points per stored series (``charts``)
+SHOWN_MESSAGES = 100  # the chat pane shows at most this many of the most recent messages (``chat_messages``)
 MB = 2**20
 
 
@@ -45,12 +47,20 @@ def _bounded(policy: str) -> bool:
     return cls is None or cls.bounded
 
 
-def charts(session: Session, store: Store, rss: dict[int, float], per_position: int, live: Live | None = None):
-    """The cache over the conversation: tokens and bytes against the budget, what the stored conversation keeps on
-    disk (recall's archive among it), evictions, decode speed, memory (the GPU's allocated on CUDA, else the
-    process's RSS), per-layer budgets; a dashed marker where settings changed."""
-    rows = store.turn_stats(session.conversation_id) if session.conversation_id is not None else []
-    changes = store.settings_changes(session.conversation_id) if session.conversation_id is not None else []
+def stored_turns(session: Session, store: Store) -> tuple[list[dict], list[dict]]:
+    """What ``charts`` draws from the store: the conversation's turn statistics and settings changes (read once
+    for the charts drawn while a reply streams: they change when it commits)."""
+    if session.conversation_id is None:
+        return [], []
+    return store.turn_stats(session.conversation_id), store.settings_changes(session.conversation_id)
+
+
+def charts(session: Session, stored: tuple[list[dict], list[dict]], rss: dict[int, float], per_position: int,
+           live: Live | None = None):
+    """The cache over the conversation (``stored``: ``stored_turns``): tokens and bytes against the budget, what
+    the stored conversation keeps on disk (recall's archive among it), evictions, decode speed, memory (the GPU's
+    allocated on CUDA, else the process's RSS), per-layer budgets; a dashed marker where settings changed."""
+    rows, changes = stored
     rows = [r for r in rows if r["role"] != "system"]
     turns = [r["turn"] for r in rows]
     budgets = [r["settings"]["budget"] if _bounded(r["policy"]) else None for r in rows]
@@ -64,6 +74,14 @@ def charts(session: Session, store: Store, rss: dict[int, float], per_position: 
     recalled = [r.get("recalled_tokens") or 0 for r in rows]
     rss_turns = [t for t in turns if t in rss]
     rss_vals = [rss[t] for t in rss_turns]
+    # A point per turn up to CHART_POINTS turns, then a point per k turns: sizes and bounds their largest,
+    # speed and tokens per turn their mean (the charts are drawn again every second while a reply streams)
+    k = max(1, -(-len(rows) // CHART_POINTS))
+    stored = [r["turn"] for r in rows][k - 1::k] + ([rows[-1]["turn"]] if len(rows) % k else [])
+    tokens, mbytes, disk, archive, budgets, caps = (_every(v, k, max) for v in (tokens, mbytes, disk, archive,
+                                                                                  budgets, caps))
+    speed, evicted, recalled = (_every(v, k, _mean) for v in (speed, evicted, recalled))
+    turns = stored
     if live is not None:
         turns, tokens, mbytes = turns + [live.turn], tokens + [live.cache_tokens], mbytes + [live.cache_bytes / MB]
         speed = speed + [live.tokens_per_s]
@@ -87,15 +105,15 @@ def charts(session: Session, store: Store, rss: dict[int, float], per_position: 
                              mode="lines+markers", marker=dict(size=3), line=dict(color="#ff9896", dash="dot", shape="hv"), showlegend=False),
                   1, 2)
     if any(d is not None for d in disk):  # what the stored conversation keeps beside the database, recall's included
-        fig.add_trace(go.Scatter(x=[r["turn"] for r in rows], y=disk, name="on disk MB", mode="lines",
+        fig.add_trace(go.Scatter(x=stored, y=disk, name="on disk MB", mode="lines",
                                  line=dict(color="#8c564b", dash="dash"), showlegend=False), 1, 2)
     if any(archive):
-        fig.add_trace(go.Scatter(x=[r["turn"] for r in rows], y=archive, name="recall archive MB", mode="lines",
+        fig.add_trace(go.Scatter(x=stored, y=archive, name="recall archive MB", mode="lines",
                                  line=dict(color="#2ca02c", dash="dot"), showlegend=False), 1, 2)
-    fig.add_trace(go.Bar(x=[r["turn"] for r in rows], y=evicted, name="evicted", marker_color="#7f7f7f",
+    fig.add_trace(go.Bar(x=stored, y=evicted, name="evicted", marker_color="#7f7f7f",
                          showlegend=False), 1, 3)
     if any(recalled):
-        fig.add_trace(go.Bar(x=[r["turn"] for r in rows], y=recalled, name="recalled", marker_color="#2ca02c",
+        fig.add_trace(go.Bar(x=stored, y=recalled, name="recalled", marker_color="#2ca02c",
                              showlegend=False), 1, 3)
     fig.add_trace(go.Scatter(x=turns, y=speed, name="tokens/s", line=dict(color="#2ca02c"), showlegend=False,
                              **line), 2, 1)
@@ -126,12 +144,24 @@ def charts(session: Session, store: Store, rss: dict[int, float], per_position: 
         fig.add_annotation(x=x, y=1 - 0.12 * (i % 3), yref="y domain", text="<br>".join(labels), showarrow=False,
                            xanchor="left", yanchor="top", align="left", font=dict(size=10, color="#ff7f0e"),
                            row=1, col=1)
-    fig.update_xaxes(title_text="turn", row=2, col=1)
+    fig.update_xaxes(title_text="turn" if k == 1 else f"turn (a point per {k} turns)", row=2, col=1)
     fig.update_xaxes(title_text="turn", row=2, col=2)
     fig.update_xaxes(title_text="layer", row=2, col=3)
     fig.update_layout(height=520, margin=dict(l=40, r=10, t=40, b=40), legend=dict(orientation="h", y=-0.12),
                       template="plotly_white", uirevision="kvchat")
     return fig
+
+
+def _every(values: list, k: int, how) -> list:
+    """``values`` (None where a turn has none) a point per ``k`` turns: ``how`` (max, _mean) of each run's."""
+    if k == 1:
+        return values
+    runs = ([v for v in values[i: i + k] if v is not None] for i in range(0, len(values), k))
+    return [how(run) if run else None for run in runs]
+
+
+def _mean(values: list) -> float:
+    return sum(values) / len(values)
 
 
 def layer_lengths(session: Session) -> tuple[list[float], list[float] | None]:
@@ -214,7 +244,19 @@ def message_tokens(session: Session) -> list[int]:
 
 
 def chat_messages(session: Session, in_progress: bool = True) -> list[dict]:
-    """The conversation for the chat pane, each message with its token count (system prompt left out).
-    Without ``in_progress``, the reply being generated is left out (the caller draws it as it streams)."""
-    return [{"role": m["role"], "content": f"{m['content']}\n\n<sub>{m['tokens']:,} tokens</sub>"}
-            for m in session.read_messages(in_progress=in_progress) if m["role"] != "system"]
+    """The conversation for the chat pane: its last ``SHOWN_MESSAGES`` messages, each with its token count (system
+    prompt left out), after a note of how many earlier ones are not shown. Without ``in_progress``, the reply being
+    generated is left out (the caller draws it as it streams).
+
+    The pane is sent and drawn again with every streamed token: a conversation of 6,001 messages took 13 s to open
+    in the browser and a reply did not finish in 2 minutes (ad hoc, chromium); every message stays stored, and the
+    export has them all."""
+    shown = [{"role": m["role"], "content": f"{m['content']}\n\n<sub>{m['tokens']:,} tokens</sub>"}
+             for m in session.read_messages(in_progress=in_progress) if m["role"] != "system"]
+    if len(shown) <= SHOWN_MESSAGES:
+        return shown
+    earlier = len(shown) - SHOWN_MESSAGES
+    note = {"role": "assistant", "content": f"The last {SHOWN_MESSAGES} messages are shown here; the {earlier:,} "
+            "before them are stored with the conversation (Export saves them all).",
+            "metadata": {"title": f"{earlier:,} earlier messages"}}
+    return [note] + shown[-SHOWN_MESSAGES:]

@@ -28,9 +28,10 @@ from ..policies import POLICIES, declared_params, policy_class  # noqa: E402
 from .args import parse_setting  # noqa: E402
 from .sessions import CapacityError, Entry, SessionManager  # noqa: E402
 from .layout import CSS, Layout, theme  # noqa: E402
-from .views import Live, cache_view, charts, chat_messages, head_map  # noqa: E402
+from .views import Live, cache_view, charts, chat_messages, head_map, stored_turns  # noqa: E402
 
 CHART_EVERY_S = 1.0  # chart refresh while a reply streams
+SHOW_EVERY_S = 0.05  # the streamed reply is shown at most this often (the tokens between come with the next)
 MAX_MESSAGE_CHARS = 100_000  # longer messages are refused: their prefill cannot be stopped and holds the model
 USER_ERRORS = (ValueError, ContextFullError, CapacityError, OSError)  # OSError: the disk refused (full, read-only)
 
@@ -75,9 +76,10 @@ class WebApp(Layout):
         value = entry.session.conversation_id if entry is not None else None
         return gr.update(choices=self._conversation_choices(), value=value)
 
-    def _charts(self, entry: Entry, live: Live | None = None):
-        return charts(entry.session, self.manager.store, entry.rss_mb,
-                      self.manager.per_position_bytes(entry.session.settings), live)
+    def _charts(self, entry: Entry, live: Live | None = None, stored=None):
+        stored = stored or stored_turns(entry.session, self.manager.store)
+        return charts(entry.session, stored, entry.rss_mb, self.manager.per_position_bytes(entry.session.settings),
+                      live)
 
     def _head_map(self, entry: Entry):
         fig = head_map(entry.session)
@@ -151,7 +153,8 @@ class WebApp(Layout):
         entry.busy, entry.stopping = True, False
         shown = chat_messages(s) + [{"role": "user", "content": text}, {"role": "assistant", "content": "▌"}]
         yield [shown, ""] + keep
-        answer, last_chart, t0, n, before = "", 0.0, time.perf_counter(), 0, None
+        answer, last_chart, last_shown, t0, n, before = "", 0.0, 0.0, time.perf_counter(), 0, None
+        stored = stored_turns(s, self.manager.store)  # the charts' stored turns: unchanged until the reply commits
         failed = broken = None
         try:
             for delta in gen:
@@ -162,13 +165,15 @@ class WebApp(Layout):
                 if before is None:  # the finished messages (and the user's count) are drawn once per reply
                     before = chat_messages(s, in_progress=False)
                 now = time.perf_counter()
-                chart = gr.skip()
+                if now - last_shown < SHOW_EVERY_S:
+                    continue  # the browser draws the whole pane again for each update: these tokens go with the next
+                last_shown, chart = now, gr.skip()
                 if now - last_chart >= CHART_EVERY_S:
                     last_chart = now
                     cache = s.cache_now()
                     live = Live(cache["turn"], cache["cache_tokens"], cache["cache_bytes"], n / max(now - t0, 1e-6),
                                 memory_mb(s.model.device)[1])
-                    chart = self._charts(entry, live)
+                    chart = self._charts(entry, live, stored)
                 yield [before + [{"role": "assistant", "content": answer + " ▌"}], gr.skip(), chart] + [gr.skip()] * 5
         except (*USER_ERRORS, OSError) as exc:  # the turn could not be written (database locked, disk full)
             failed = exc

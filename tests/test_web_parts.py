@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from kvchat.app.sessions import CapacityError, SessionManager
-from kvchat.app.views import cache_view, charts, chat_messages, head_map, layer_lengths
+from kvchat.app.views import cache_view, charts, chat_messages, head_map, layer_lengths, stored_turns
 from kvchat.core.engine.session import Sampling
 from kvchat.core.engine.settings import Settings
 from kvchat.storage.db import Store
@@ -71,7 +71,7 @@ def test_charts_follow_the_stored_turns_and_mark_settings_changes(manager):
     s = entry.session
     _chat(s)
     s.configure(policy="h2o", budget=32)
-    fig = charts(s, manager.store, {1: 100.0}, manager.per_position_bytes())
+    fig = charts(s, stored_turns(s, manager.store), {1: 100.0}, manager.per_position_bytes())
     traces = {t.name: t for t in fig.data}
     stats = [r for r in manager.store.turn_stats(s.conversation_id) if r["role"] != "system"]
     assert list(traces["cache"].y) == [r["cache_tokens"] for r in stats]
@@ -100,6 +100,37 @@ def test_chat_messages_carry_token_counts(manager):
     assert [m["role"] for m in msgs] == ["user", "assistant"]
     user_tokens = int(re.search(r"<sub>(\d+) tokens</sub>", msgs[0]["content"]).group(1))
     assert user_tokens == (s.log.column("message") == 1).sum().item()
+
+
+def test_a_long_conversation_is_drawn_in_bounded_pieces(manager, monkeypatch):
+    """The chat pane and the charts are sent and drawn again with every streamed token and every second: a
+    conversation of 6,001 messages took 13 s to open in the browser, and a reply in it did not finish in 2 minutes.
+    The pane shows the last messages after a note of how many came before; the charts a point per k turns past
+    CHART_POINTS, keeping each run's peak (the bound a person checks) and its mean speed and evictions."""
+    from kvchat.app import views
+
+    s = manager.entry("a").session
+    _chat(s, turns=3)
+    monkeypatch.setattr(views, "SHOWN_MESSAGES", 4)
+    note, *shown = chat_messages(s)
+    assert note["metadata"]["title"] == "2 earlier messages" and "Export saves them all" in note["content"]
+    assert [m["content"].split("\n")[0] for m in shown] == [m["content"] for m in s.messages[-4:]]
+
+    rows, _ = stored_turns(s, manager.store)
+    template = [r for r in rows if r["role"] == "assistant"][-1]
+    turns = 1000  # stored turns as a long chat leaves them: the cache at its bound, one peak, speeds and evictions
+    rows = [{**template, "turn": t, "cache_tokens": 40 + t % 7 + 9 * (t == 611), "evicted_tokens": t % 5,
+             "decode_ms_per_token": 10.0 + t % 3} for t in range(1, turns + 1)]
+    fig = charts(s, (rows, []), {}, manager.per_position_bytes())
+    traces = {t.name: t for t in fig.data}
+    k = -(-turns // views.CHART_POINTS)
+    assert len(traces["cache"].x) == -(-turns // k) <= views.CHART_POINTS and traces["cache"].x[-1] == turns
+    assert list(traces["cache"].y) == [max(r["cache_tokens"] for r in rows[i: i + k]) for i in range(0, turns, k)]
+    assert max(traces["cache"].y) == 51  # the peak kept
+    assert sum(traces["evicted"].y) * k == pytest.approx(sum(r["evicted_tokens"] for r in rows), rel=0.01)
+    assert set(traces["budget"].y) == {48} and f"a point per {k} turns" in fig.layout.xaxis4.title.text
+    few = charts(s, (rows[:views.CHART_POINTS], []), {}, manager.per_position_bytes())
+    assert list(few.data[0].y) == [r["cache_tokens"] for r in rows[:views.CHART_POINTS]]  # a point per turn
 
 
 def test_head_map_and_layer_budgets_for_headaware(tiny, tmp_path):
