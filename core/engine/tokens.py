@@ -54,7 +54,7 @@ def pieces(tokenizer, ids: list[int]) -> list[str]:
     reopened conversation logs every token it ever fed, and a decode call per message was most of a reopen (2.7 s
     for 6,000 messages, ad hoc)."""
     known = _PIECES.setdefault(tokenizer, {})
-    missing = list(set(ids).difference(known))
+    missing = [i for i in set(ids) if i not in known]  # (the memo is shared by the web UI's sessions' threads)
     if missing:
         known.update(zip(missing, tokenizer.batch_decode([[i] for i in missing])))
     return [known[i] for i in ids]
