@@ -13,6 +13,7 @@ and ``app/sessions.py`` keeps it to one tab): holds are counted per folder.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from pathlib import Path
@@ -23,6 +24,7 @@ except ImportError:  # not a POSIX system: no locks, as before
     fcntl = None
 
 NAME = "held"
+log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _held: dict[str, list[int]] = {}  # folder -> [file descriptor, holds in this process]
@@ -48,6 +50,12 @@ def hold(folder: Path, what: str) -> None:
         except BlockingIOError:
             os.close(fd)
             raise HeldElsewhere(_refusal(folder, what)) from None
+        except OSError as exc:  # a file system without locks (some network mounts): opened unguarded, as before
+            os.close(fd)
+            log.warning("cannot lock %s (%s): another kvchat process could open %s at the same time", folder,
+                        exc.strerror or exc, what)
+            _held[key] = [-1, 1]
+            return
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         _held[key] = [fd, 1]
@@ -76,8 +84,9 @@ def release(folder: Path) -> None:
         entry[1] -= 1
         if entry[1] == 0:
             del _held[key]
-            fcntl.flock(entry[0], fcntl.LOCK_UN)
-            os.close(entry[0])
+            if entry[0] >= 0:
+                fcntl.flock(entry[0], fcntl.LOCK_UN)
+                os.close(entry[0])
 
 
 def _refusal(folder: Path, what: str) -> str:

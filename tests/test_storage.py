@@ -2,6 +2,8 @@
 
 import json
 import sqlite3
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -189,3 +191,33 @@ def test_the_digest_store_reads_each_records_field_in_the_order_asked(tmp_path):
     assert store.field("span", np.array([], dtype=np.int64)).shape == (0, 2)
     store.rewind(14, 14)
     assert store.field("span").shape == (0, 2)
+
+
+def _other_process_can_hold(folder) -> bool:
+    code = f"from kvchat.storage import holding; holding.hold({str(folder)!r}, 'it')"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode == 0
+
+
+def test_a_conversation_is_held_until_this_process_gives_back_its_last_hold(tmp_path, monkeypatch, caplog):
+    """Holds are counted within a process (the web UI moves a conversation between tabs, the old tab's session
+    closing after the new one opened it); another process may open it only once the last is given back. A file
+    system without locks opens it unguarded, with a warning, instead of refusing every conversation."""
+    import errno
+    import fcntl
+
+    from kvchat.storage import holding
+
+    holding.hold(tmp_path, "conversation 1")
+    holding.hold(tmp_path, "conversation 1")
+    holding.release(tmp_path)
+    assert not _other_process_can_hold(tmp_path)
+    holding.release(tmp_path)
+    assert _other_process_can_hold(tmp_path)
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with holding.held(tmp_path, "conversation 2"):
+        pass
+    assert "cannot lock" in caplog.text and "another kvchat process could open conversation 2" in caplog.text
