@@ -77,11 +77,11 @@ def charts(session: Session, stored: tuple[list[dict], list[dict]], rss: dict[in
     # A point per turn up to CHART_POINTS turns, then a point per k turns: sizes and bounds their largest,
     # speed and tokens per turn their mean (the charts are drawn again every second while a reply streams)
     k = max(1, -(-len(rows) // CHART_POINTS))
-    stored = [r["turn"] for r in rows][k - 1::k] + ([rows[-1]["turn"]] if len(rows) % k else [])
+    points = [r["turn"] for r in rows][k - 1::k] + ([rows[-1]["turn"]] if len(rows) % k else [])
     tokens, mbytes, disk, archive, budgets, caps = (_every(v, k, max) for v in (tokens, mbytes, disk, archive,
                                                                                   budgets, caps))
     speed, evicted, recalled = (_every(v, k, _mean) for v in (speed, evicted, recalled))
-    turns = stored
+    turns = points
     if live is not None:
         turns, tokens, mbytes = turns + [live.turn], tokens + [live.cache_tokens], mbytes + [live.cache_bytes / MB]
         speed = speed + [live.tokens_per_s]
@@ -105,15 +105,15 @@ def charts(session: Session, stored: tuple[list[dict], list[dict]], rss: dict[in
                              mode="lines+markers", marker=dict(size=3), line=dict(color="#ff9896", dash="dot", shape="hv"), showlegend=False),
                   1, 2)
     if any(d is not None for d in disk):  # what the stored conversation keeps beside the database, recall's included
-        fig.add_trace(go.Scatter(x=stored, y=disk, name="on disk MB", mode="lines",
+        fig.add_trace(go.Scatter(x=points, y=disk, name="on disk MB", mode="lines",
                                  line=dict(color="#8c564b", dash="dash"), showlegend=False), 1, 2)
     if any(archive):
-        fig.add_trace(go.Scatter(x=stored, y=archive, name="recall archive MB", mode="lines",
+        fig.add_trace(go.Scatter(x=points, y=archive, name="recall archive MB", mode="lines",
                                  line=dict(color="#2ca02c", dash="dot"), showlegend=False), 1, 2)
-    fig.add_trace(go.Bar(x=stored, y=evicted, name="evicted", marker_color="#7f7f7f",
+    fig.add_trace(go.Bar(x=points, y=evicted, name="evicted", marker_color="#7f7f7f",
                          showlegend=False), 1, 3)
     if any(recalled):
-        fig.add_trace(go.Bar(x=stored, y=recalled, name="recalled", marker_color="#2ca02c",
+        fig.add_trace(go.Bar(x=points, y=recalled, name="recalled", marker_color="#2ca02c",
                              showlegend=False), 1, 3)
     fig.add_trace(go.Scatter(x=turns, y=speed, name="tokens/s", line=dict(color="#2ca02c"), showlegend=False,
                              **line), 2, 1)

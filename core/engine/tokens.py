@@ -181,7 +181,8 @@ class TokenLog:
         last, start_new = self.sentence
         turns = turn if isinstance(turn, list) else [turn] * len(segments)
         for n, ((ids, msg, role), turn) in enumerate(zip(segments, turns, strict=True)):
-            sids, last, start_new = sentence_ids(pieces(tokenizer, ids), last, start_new or not (continue_message and n == 0))
+            opens = start_new or not (continue_message and n == 0)
+            sids, last, start_new = sentence_ids(pieces(tokenizer, ids), last, opens)
             rows["token"] += ids
             rows["sentence"] += sids
             rows["role"] += [ROLES.index(role)] * len(ids)
