@@ -1,13 +1,13 @@
 """One kvchat process at a time per stored conversation.
 
 Two processes with one conversation open (``kvchat chat --resume 3`` twice, or a terminal chat beside the web UI on
-one database) would each write turns on top of the state they read: the second turn's files were renamed or removed
-under the first (a reply failed, and was lost, seen), and a reopen could find the other's rows. So a process that
-opens a stored conversation holds an exclusive lock on a file in its folder (``held``, the holder's pid inside) until
-it closes it; the system releases the lock when the process dies, however it dies, so a crash leaves nothing to
-clear. Another process's open, delete or rename of that conversation is refused in one line, naming the holder.
-Within one process, opening the conversation again is not refused (the web UI moves a conversation between tabs,
-and ``app/sessions.py`` keeps it to one tab): holds are counted per folder.
+one database) would each write turns on top of the state they read: one's turn files were renamed or removed under
+the other (seen: a reply failed at its commit, and was lost; a delete removed the folder under a running chat). So a
+process that opens a stored conversation holds an exclusive lock on a file in its folder (``held``, the holder's pid
+inside) until it closes it; the system releases the lock when the process dies, however it dies, so a crash leaves
+nothing to clear. Another process's open, delete or rename of that conversation is refused in one line, naming the
+holder. Within one process, opening the conversation again is not refused (the web UI moves a conversation between
+tabs, and ``app/sessions.py`` keeps it to one tab): holds are counted per folder.
 """
 
 from __future__ import annotations
