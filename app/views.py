@@ -137,13 +137,19 @@ def charts(session: Session, stored: tuple[list[dict], list[dict]], rss: dict[in
     by_turn: dict[int, list[str]] = {}
     for change in changes:
         by_turn.setdefault(change["turn"], []).append(_change_label(change["changes"]))
+    # The turn axes span the turns drawn, fixed: plotly widened them to fit a settings change's label, which pushed
+    # the data into the left half of the first chart; a label in the right half now reads leftwards
+    xs = turns + rss_turns + [now["turn"] - 0.5] + [t - 0.5 for t in by_turn]
+    lo, hi = min(xs) - 0.5, max(xs) + 0.5
     for i, (turn, labels) in enumerate(sorted(by_turn.items())):
         x = turn - 0.5
         for r, c in ((1, 1), (1, 2), (1, 3), (2, 1), (2, 2)):
             fig.add_vline(x=x, line=dict(color="#ff7f0e", dash="dash", width=1), row=r, col=c)
+        side = "left" if x < (lo + hi) / 2 else "right"
         fig.add_annotation(x=x, y=1 - 0.12 * (i % 3), yref="y domain", text="<br>".join(labels), showarrow=False,
-                           xanchor="left", yanchor="top", align="left", font=dict(size=10, color="#ff7f0e"),
-                           row=1, col=1)
+                           xanchor=side, yanchor="top", align=side, font=dict(size=10, color="#ff7f0e"), row=1, col=1)
+    for r, c in ((1, 1), (1, 2), (1, 3), (2, 1), (2, 2)):
+        fig.update_xaxes(range=[lo, hi], row=r, col=c)
     fig.update_xaxes(title_text="turn" if k == 1 else f"turn (a point per {k} turns)", row=2, col=1)
     fig.update_xaxes(title_text="turn", row=2, col=2)
     fig.update_xaxes(title_text="layer", row=2, col=3)

@@ -79,6 +79,10 @@ def test_charts_follow_the_stored_turns_and_mark_settings_changes(manager):
     assert list(traces["now"].y) == [s.cache.mean_length] and s.cache.mean_length <= 32
     labels = [a.text for a in fig.layout.annotations]
     assert any("policy h2o" in t and "budget 32" in t for t in labels)
+    turns = [r["turn"] for r in stats]
+    for axis in (fig.layout.xaxis, fig.layout.xaxis2, fig.layout.xaxis3, fig.layout.xaxis4, fig.layout.xaxis5):
+        # the turns drawn, not widened to fit the change's label (which pushed the data into half the chart)
+        assert axis.range[0] < min(turns) and max(turns) + 0.5 <= axis.range[1] <= s.turn + 0.5
     assert sum(traces["evicted"].y) == sum(r["evicted_tokens"] for r in stats) > 0
 
 
