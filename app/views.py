@@ -18,6 +18,7 @@ from ..storage.db import Store
 
 VIEW_TOKENS = 30000  # the cache view shows at most this many of the most recent tokens
 CHART_POINTS = 300  # the charts draw at most this many points per stored series (``charts``)
+TURN_AXES = ((1, 1), (1, 2), (1, 3), (2, 1), (2, 2))  # the charts (row, column) whose x axis is the turn
 SHOWN_MESSAGES = 100  # the chat pane shows at most this many of the most recent messages (``chat_messages``)
 MB = 2**20
 
@@ -143,12 +144,12 @@ def charts(session: Session, stored: tuple[list[dict], list[dict]], rss: dict[in
     lo, hi = min(xs) - 0.5, max(xs) + 0.5
     for i, (turn, labels) in enumerate(sorted(by_turn.items())):
         x = turn - 0.5
-        for r, c in ((1, 1), (1, 2), (1, 3), (2, 1), (2, 2)):
+        for r, c in TURN_AXES:
             fig.add_vline(x=x, line=dict(color="#ff7f0e", dash="dash", width=1), row=r, col=c)
         side = "left" if x < (lo + hi) / 2 else "right"
         fig.add_annotation(x=x, y=1 - 0.12 * (i % 3), yref="y domain", text="<br>".join(labels), showarrow=False,
                            xanchor=side, yanchor="top", align=side, font=dict(size=10, color="#ff7f0e"), row=1, col=1)
-    for r, c in ((1, 1), (1, 2), (1, 3), (2, 1), (2, 2)):
+    for r, c in TURN_AXES:
         fig.update_xaxes(range=[lo, hi], row=r, col=c)
     fig.update_xaxes(title_text="turn" if k == 1 else f"turn (a point per {k} turns)", row=2, col=1)
     fig.update_xaxes(title_text="turn", row=2, col=2)
