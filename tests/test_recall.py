@@ -158,6 +158,70 @@ def test_a_recall_turn_reopens_exactly(tiny, tmp_path, monkeypatch):
     assert reopened.chat("And the rivers?").answer == live.chat("And the rivers?").answer
 
 
+LONG = " ".join(f"Note {i}: the harbour wall was mended in spring." for i in range(30)) + " Which wall was mended?"
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv"])
+def test_a_long_message_is_read_again_only_from_where_its_last_budget_tokens_start(tiny, monkeypatch, policy):
+    """Recall reads a message longer than the budget again only from a mark where its last ``budget`` tokens start
+    (``TailMark``): what came before is evicted or already scored by then. With nothing put back, reading it again
+    from the mark gives exactly the first read: the probe's score of every token, the cache and its statistics."""
+    read, reads, forward = [0], [], Session.forward
+
+    def counted(self, ids, abs_pos, *args, at=None, **kw):
+        read[0] += ids.numel() if at is None else 0
+        return forward(self, ids, abs_pos, *args, at=at, **kw)
+
+    monkeypatch.setattr(Session, "forward", counted)
+    monkeypatch.setattr(recall_choose, "bring_back", lambda session, bring, end=None: None)
+    plan, sessions, results = recall_choose.plan, [], []
+    for chooses in (True, False):  # recall chose text (the message read again), or nothing (read once)
+        monkeypatch.setattr(recall_choose, "plan", lambda *a, **k: {**plan(*a, **k), **({} if chooses else
+                                                                                       {"recalled": []})})
+        session = Session(tiny("llama"), _settings(policy=policy), sampling=GREEDY)
+        _chat(session, rounds=1)
+        read[0] = 0
+        results.append(session.probe(LONG, "The harbour wall was mended.", "harbour wall"))
+        reads.append(read[0])
+        sessions.append(session)
+    (on, off), budget = results, sessions[0].settings.budget
+    assert on.recalled and not off.recalled
+    assert on.prompt_tokens > 4 * budget
+    assert 0 < reads[0] - reads[1] <= budget
+    assert (on.expect_nll, on.hit) == (off.expect_nll, off.hit)
+    assert_same_cache(*sessions)
+
+
+@pytest.mark.parametrize("positions", ["rerotate", "original"])
+def test_a_long_message_that_recalls_stays_within_the_bound_and_reopens_exactly(tiny, tmp_path, monkeypatch,
+                                                                                positions):
+    """Text recalled before a long message's last ``budget`` tokens: the cache stays within budget + slack, the
+    recalled keys are read again right after the cache's last position there and rotated once to their place, and
+    the turn reopens exactly."""
+    monkeypatch.setattr("kvchat.core.recall.choose.HELD_QUANTILE", 0.0)  # random weights: recall whatever scores best
+    model = tiny("llama")
+    live = Session(model, _settings(policy="h2o", positions=positions), store=Store(tmp_path / "l.db"),
+                   sampling=GREEDY)
+    _chat(live, rounds=1)
+    seen, forward = [], live.forward
+    live.forward = lambda *a, **kw: (forward(*a, **kw), seen.append(live.cache.length))[0]
+    start = live.total_tokens
+    res = live.exchange(LONG, "The harbour wall.")
+    assert res.recalled_tokens > 0 and max(seen) <= live.settings.capacity
+    _assert_keys_rotated_once(live)
+    layer = live.cache.layers[0]
+    recalled = torch.isin(layer.head_view(layer.abs_pos, 0), torch.tensor([p for a, b in res.recalled
+                                                                          for p in range(a, b)]))
+    computed = layer.head_view(layer.computed, 0)[recalled]
+    message_end = start + int((live.log.column("message") == len(live.messages) - 2).sum())
+    assert recalled.any()
+    if positions == "original":  # read again after the cache's last position at the mark, inside the message
+        assert bool(((computed >= start) & (computed < message_end)).all())
+    reopened = Session.resume(model, Store(tmp_path / "l.db"), live.conversation_id, sampling=GREEDY)
+    assert_same_cache(reopened, live)
+    assert reopened.chat("And the sea?").answer == live.chat("And the sea?").answer
+
+
 @pytest.mark.parametrize("policy", ["h2o", "snapkv"])
 def test_forgetting_a_read_message_by_its_mark_equals_the_whole_checkpoint(tiny, tmp_path, monkeypatch, policy):
     """Recall reads a user message for its queries, then forgets the read before the put-back: by a ``ReadMark``

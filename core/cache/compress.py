@@ -50,16 +50,20 @@ class Evictions:
         return events
 
 
+def chunk(session, m: int) -> int:
+    """How many of the next ``m`` tokens ``make_room`` feeds now: at most the free slots, or ``slack`` after a
+    compression."""
+    c = min(m, MAX_CHUNK)
+    if session.policy.bounded and c > session.cache.room:
+        c = min(c, session.settings.slack_tokens)
+    return c
+
+
 def make_room(session, m: int) -> int:
     """How many of the next ``m`` tokens to feed now, compressing first if the cache has no room for them."""
-    c = min(m, MAX_CHUNK)
-    if not session.policy.bounded:
-        return c
-    s = session.settings
-    if c > session.cache.room:
-        c = min(c, s.slack_tokens)
-        if c > session.cache.room:
-            compress(session, s.budget, "prefill" if m > 1 else "decode")
+    c = chunk(session, m)
+    if session.policy.bounded and c > session.cache.room:
+        compress(session, session.settings.budget, "prefill" if m > 1 else "decode")
     return c
 
 
@@ -247,7 +251,7 @@ def layer_view(session, li: int, layer, valid: dict, window: torch.Tensor | None
         valid[key] = layer.valid()
     mask = valid[key]
     view = LayerView(li, positions, mask, layer.keys_dense(), groups=group_ids(session, positions),
-                     fed=session.log.n)
+                     fed=session.log.n - session.unread)
     if "acc" in session.policy.observes and "acc" in layer.stats:
         view.acc = layer.padded(layer.stats["acc"])
     view.window = window

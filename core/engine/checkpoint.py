@@ -8,11 +8,15 @@ field here, or undo would not take it back.
 ``ReadMark`` is the light form recall uses to forget its first read of a user message: when the message fits the
 free slots, reading it only appends (tokens, the statistics and observer window it adds to, the logits), so only
 that is marked and put back. A new piece of state that feeding a message changes gets a field there too.
+
+``TailMark`` is its form for a message read in pieces with compressions between: a ``Checkpoint`` taken where the
+message's last ``budget`` tokens start, so recall reads only those again.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,3 +149,32 @@ class ReadMark:
             session.observer.restore(self.observer)
         session.log.truncate(self.log_n, self.sentence)
         session.last_logits = self.last_logits
+
+
+@dataclass
+class TailMark:
+    """The session part way through reading a long message (``ids`` at ``positions``, already in the token log): at
+    the start of the chunk from ``ids[at]`` on, before its compression. Recall puts its text back there and reads
+    only the rest again: the part of the message the cache can still hold at its end (the last ``budget`` tokens,
+    at most) is computed with the recalled text before it; the earlier part, long evicted or scored by the policy
+    on the first read, is not read twice. ``ms``: what taking the mark cost."""
+
+    at: int
+    ids: torch.Tensor
+    positions: torch.Tensor
+    checkpoint: Checkpoint
+    stage: object  # recall's staged keys (core/recall/digest.py) at the mark
+    ms: float
+
+    @classmethod
+    def capture(cls, session, ids: torch.Tensor, positions: torch.Tensor, at: int) -> "TailMark":
+        t = time.perf_counter()
+        checkpoint = Checkpoint.capture(session)
+        stage = copy.deepcopy(session.digests.stage) if session.digests is not None else None
+        return cls(at, ids, positions, checkpoint, stage, 1000 * (time.perf_counter() - t))
+
+    def restore(self, session) -> None:
+        """Back to the mark (once: the staged keys are handed over)."""
+        self.checkpoint.restore(session)
+        if session.digests is not None:
+            session.digests.stage, self.stage = self.stage, None

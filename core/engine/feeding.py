@@ -12,7 +12,7 @@ import torch
 from ..cache import compress
 from ..recall import choose as recall
 from ..recall import gate
-from .checkpoint import Checkpoint, ReadMark
+from .checkpoint import Checkpoint, ReadMark, TailMark
 from ..cache.observe import Observer
 from ..recall.score import QueryTap
 from .tokens import encode
@@ -20,6 +20,11 @@ from .turns import TurnResult, stage
 
 
 class Feeding:
+    #: Tokens at the token log's end not read into the cache yet: a long message read again from its ``TailMark``
+    #: (a compression's policy sees the tokens read so far: ``compress.layer_view``).
+    unread = 0
+    tail_mark = None  # the ``TailMark`` a long message's first read left (``_read``'s ``mark``)
+
     def _encode(self, text: str) -> list[int]:
         return encode(self.model.tokenizer, text)
 
@@ -37,27 +42,35 @@ class Feeding:
         first_role = self.messages[segments[0][1]]["role"]
         if len(segments) > 1 and first_role == "user" and self.recalling:
             # The message's queries choose what comes back. When something does, the session goes back to before
-            # the message was read and it is fed again after the recall, so its own KV is computed with the
-            # recalled text before it, as it was when that text was still cached; the recalled text stays only if
-            # it makes the message more predictable (``_read_with``, core/recall/gate.py).
+            # the message was read (a long one: to before its last ``budget`` tokens) and it is fed again after the
+            # recall, so its own KV is computed with the recalled text before it, as it was when that text was still
+            # cached; the recalled text stays only if it makes the message more predictable (``_read_with``,
+            # core/recall/gate.py).
             tap = QueryTap(self.digests.layers)
             # Room for the message's first chunk, as feeding the message and its answer at once would make (the
             # message and the answer are read in the chunks and with the compressions of that: recall on or off,
-            # the same cache when nothing comes back). A message that fits is forgotten by a mark; one read in
-            # pieces with compressions between, by a copy of the whole cache.
+            # the same cache when nothing comes back). A message that fits is forgotten by a mark (``ReadMark``);
+            # one read in pieces with compressions between, by a copy of the whole cache where its last ``budget``
+            # tokens start (``TailMark``): only those are read again, the part of it the cache can hold at its end.
             rest = sum(len(ids) for ids, _ in segments[1:])
             compress.make_room(self, len(segments[0][0]) + rest)
             t = time.perf_counter()
-            before = ReadMark.capture(self, len(segments[0][0])) or Checkpoint.capture(self)
+            before = ReadMark.capture(self, len(segments[0][0]))
             marking = 1000 * (time.perf_counter() - t)
-            with stage("kvchat.message"):  # the stages of a profiled turn (turns.STAGES)
-                head = self._feed(segments[:1], want_logprobs=want_logprobs, tap=tap, tail=gate.TAIL, more=rest)
+            try:
+                with stage("kvchat.message"):  # the stages of a profiled turn (turns.STAGES)
+                    head = self._feed(segments[:1], want_logprobs=want_logprobs, tap=tap, tail=gate.TAIL, more=rest,
+                                      mark=0 if before else self.settings.budget)
+            finally:
+                before, self.tail_mark = before or self.tail_mark, None
             with stage("kvchat.recall.plan"):
                 found = recall.plan(self, tap, torch.as_tensor(segments[0][0]))
-            found["recall_ms"] += marking  # what recall adds to every message: the mark, the scoring, the put-back
+            # what recall adds to every message: the mark, the scoring, the put-back
+            found["recall_ms"] += marking + (before.ms if isinstance(before, TailMark) else 0.0)
             if found["recalled"]:
                 with stage("kvchat.recall.back"):
                     head = self._read_with(segments[:1], want_logprobs, before, found, head, rest)
+            del before  # a ``TailMark`` holds a copy of the cache
             for key in ("recalled_tokens", "recalled_groups", "recalled", "recall_ms"):
                 setattr(res, key, found[key])
             res.recall_declined, res.recall_gain = found.get("declined", []), found.get("recall_gain")
@@ -84,11 +97,24 @@ class Feeding:
         without = gate.content_nll(self.tail_logprobs, scaffolding)
         after_first = Checkpoint.capture(self)  # the message read without recall: kept if recall does not help
         stage, guard, carry = copy.deepcopy(self.digests.stage), self.recall_guard, self.carry
-        before.restore(self)  # the first read is forgotten, what the digests staged of it too
-        self.digests.truncate(self.log.n)
-        recall.bring_back(self, found["bring"])
-        found["recall_ms"] += 1000 * (time.perf_counter() - t)
-        head = self._feed(message, want_logprobs=want_logprobs, tail=gate.TAIL, more=rest)
+        if isinstance(before, TailMark):  # a long message: read again from where its last ``budget`` tokens start
+            before.restore(self)
+            self.unread = len(before.ids) - before.at
+            try:
+                recall.bring_back(self, found["bring"], end=int(before.positions[before.at]))
+            finally:
+                self.unread = 0
+            found["recall_ms"] += 1000 * (time.perf_counter() - t)
+            head = self._read(before.ids, before.positions, want_logprobs=want_logprobs, tail=gate.TAIL, more=rest,
+                              start=before.at)
+            if want_logprobs:  # the first read's scores of the tokens before the mark: the same state computed them
+                head = (head[0], *(torch.cat([a[: before.at], b]) for a, b in zip(first[1:], head[1:])))
+        else:
+            before.restore(self)  # the first read is forgotten, what the digests staged of it too
+            self.digests.truncate(self.log.n)
+            recall.bring_back(self, found["bring"])
+            found["recall_ms"] += 1000 * (time.perf_counter() - t)
+            head = self._feed(message, want_logprobs=want_logprobs, tail=gate.TAIL, more=rest)
         with_recall = gate.content_nll(self.tail_logprobs, scaffolding)
         found["recall_gain"] = None if without is None or with_recall is None else without - with_recall
         if gate.keeps(without, with_recall):
@@ -104,7 +130,7 @@ class Feeding:
 
     def _feed(self, segments: list[tuple[list[int], int]], want_logprobs: bool = False,
               continue_message: bool = False, tap: QueryTap | None = None, tail: int = 0, more: int = 0,
-              first: int = 0):
+              first: int = 0, mark: int = 0):
         """Feed tokens ([(ids, message index)]) through the model on top of the cache, compressing as needed.
 
         Returns (last logits, next-token log-probs, top-1 flags); the latter two only with ``want_logprobs``
@@ -114,20 +140,31 @@ class Feeding:
         log-probabilities), for recall's gate (core/recall/gate.py). ``more``: tokens that follow in the same
         turn (recall reads a user message before what answers it): the chunks and compressions are those of
         feeding both at once, the part of the last chunk past these tokens left in ``carry`` for the next call's
-        ``first`` chunk, whose room was made.
+        ``first`` chunk, whose room was made. ``mark``: a ``TailMark`` left in ``tail_mark`` at the start of the
+        first chunk that leaves at most ``mark`` tokens to read (recall reads a long message again from there).
         """
         positions = self.log.append_messages(self.model.tokenizer,
                                              [(ids, m, self.messages[m]["role"]) for ids, m in segments],
                                              self.turn, continue_message)
         ids = torch.tensor([i for seg, _ in segments for i in seg], dtype=torch.long)
+        return self._read(ids, positions, want_logprobs, tap, tail, more, first, mark)
+
+    def _read(self, ids: torch.Tensor, positions: torch.Tensor, want_logprobs: bool = False,
+              tap: QueryTap | None = None, tail: int = 0, more: int = 0, first: int = 0, mark: int = 0,
+              start: int = 0):
+        """``_feed``'s chunked forwards of tokens already in the token log, from ``ids[start]`` on."""
+        if mark:
+            self.tail_mark = None
         if tap is not None:
             special = self.model.scaffolding_ids()
         total = ids.numel()
-        logprobs, top1, i, logits = [], [], 0, None
+        logprobs, top1, i, logits = [], [], start, None
         tails = []  # (token ids, log-probabilities) of the last ``tail`` tokens, chunk by chunk
         planned = 0
         short = self.model.step.short_feed if self.model.step is not None else 0  # core/decode: where it pays
         while i < total:
+            if mark and (total - i <= mark or i + compress.chunk(self, total - i + more) >= total):
+                self.tail_mark, mark = TailMark.capture(self, ids, positions, i), 0
             planned = min(first, total) if i == 0 and first else compress.make_room(self, total - i + more)
             c = min(planned, total - i)
             if tap is not None:
@@ -188,12 +225,13 @@ class Feeding:
                                     **{self.model.cache_arg: self.cache}, use_cache=True,
                                     logits_to_keep=0 if all_logits else keep, **extra).logits[0]
 
-    def read_again(self, positions: torch.Tensor) -> None:
+    def read_again(self, positions: torch.Tensor, end: int | None = None) -> None:
         """Read the tokens at ``positions`` (absolute, ascending: evicted text recall brings back) again, computed
         at the positions after the cache's last ones with the cache as it is before them and unobserved; the
-        caller made room for them and puts them back in conversation order (``compress.reorder``)."""
+        caller made room for them and puts them back in conversation order (``compress.reorder``). ``end``: the
+        absolute position after the cache's last one (the token log's end unless the log runs ahead of the cache)."""
         tokens = self.log.column("token")[positions].long()
-        start = self.log.n if self.settings.positions == "original" else self.cache.length
+        start = (self.log.n if end is None else end) if self.settings.positions == "original" else self.cache.length
         for i in range(0, positions.numel(), compress.MAX_CHUNK):
             ids = tokens[i: i + compress.MAX_CHUNK]
             self.forward(ids, positions[i: i + ids.numel()], at=torch.arange(start + i, start + i + ids.numel()))

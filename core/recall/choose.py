@@ -163,14 +163,15 @@ def held_texts(held: torch.Tensor, content: torch.Tensor, text) -> set:
     return {text(g) for g in ((held >= 0.5) & content).nonzero().flatten().tolist()}
 
 
-def bring_back(session, bring: torch.Tensor) -> None:
+def bring_back(session, bring: torch.Tensor, end: int | None = None) -> None:
     """Put the positions ``bring`` back into every layer and head, within the budget: the running policy's
     lowest-scored slots make room, the tokens are read again from their ids with the cache before them as context
     (no evicted KV is kept: core/recall/digest.py), and every head's slots go back into conversation order, each key
     rotated once from where it was computed. They stay while the message is read again and through the reply's
     first compression (so the reply's first ``slack`` tokens at least see them); from there on the running policy
-    keeps them as long as it scores them high enough."""
+    keeps them as long as it scores them high enough. ``end``: the absolute position after the cache's last one
+    (the token log's end unless a long message is read again from part way: ``core/engine/checkpoint.TailMark``)."""
     compress.compress(session, session.settings.budget, "recall", drop=bring, room=bring.numel())
-    session.read_again(bring)
+    session.read_again(bring, end)
     compress.reorder(session, bring)
     session.recall_guard = torch.cat([session.recall_guard, bring])
