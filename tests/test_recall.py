@@ -161,7 +161,7 @@ def test_a_recall_turn_reopens_exactly(tiny, tmp_path, monkeypatch):
 LONG = " ".join(f"Note {i}: the harbour wall was mended in spring." for i in range(30)) + " Which wall was mended?"
 
 
-@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv"])
+@pytest.mark.parametrize("policy", BOUNDED)
 def test_a_long_message_is_read_again_only_from_where_its_last_budget_tokens_start(tiny, monkeypatch, policy):
     """Recall reads a message longer than the budget again only from a mark where its last ``budget`` tokens start
     (``TailMark``): what came before is evicted or already scored by then. With nothing put back, reading it again
