@@ -100,7 +100,7 @@ class LayerView:
     acc: torch.Tensor | None = None  # [heads, n] attention received so far (policies observing "acc")
     window: torch.Tensor | None = None  # [heads, rows, n] attention of the last queries (observing "window")
     groups: torch.Tensor | None = None  # [heads, n] group id of each slot in sentence/turn mode
-    fed: int = 0  # tokens fed so far (the next absolute position)
+    fed: int = 0  # tokens fed so far and the chunk the compression makes room for (the absolute position after it)
 
     @property
     def recency(self) -> torch.Tensor:

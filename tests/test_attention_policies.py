@@ -71,6 +71,22 @@ def test_h2o_keeps_an_old_token_every_query_attends_to():
     assert keep[0].tolist() == [2, 15, 16, 17, 18, 19]  # the heavy hitter, then the most recent
 
 
+@pytest.mark.parametrize("policy", ["h2o", "headaware"])
+def test_a_long_text_fed_at_once_keeps_what_it_keeps_fed_a_chunk_at_a_time(tiny, policy):
+    """A compression part way through a long message scores what has been read so far: H2O's average divides a
+    token's attention by the queries read since it, not counting the rest of the message still to come (which made
+    a pasted text's heavy hitters differ from the same text typed in pieces; its average became nearly the sum)."""
+    model, ids = tiny("llama"), list(range(300, 700))
+    settings = Settings(policy=policy, budget=48, window=8, slack=6)
+    whole, pieces = Session(model, settings, system=None), Session(model, settings, system=None)
+    whole.feed_raw(ids, score=False)
+    for i in range(0, len(ids), settings.slack):  # the chunks the long text is read in: one of ``slack`` at a time
+        pieces.feed_raw(ids[i: i + settings.slack], score=False)
+    for a, b in zip(whole.cache.layers, pieces.cache.layers):
+        assert torch.equal(a.positions(), b.positions()) and torch.equal(a.padded(a.stats["acc"]),
+                                                                         b.padded(b.stats["acc"]))
+
+
 def test_tova_keeps_what_the_newest_query_attends_to():
     window = torch.zeros(2, 1, 10)
     window[:, 0, 3] = 0.6
