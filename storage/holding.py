@@ -4,10 +4,10 @@ Two processes with one conversation open (``kvchat chat --resume 3`` twice, or a
 one database) would each write turns on top of the state they read: one's turn files were renamed or removed under
 the other (seen: a reply failed at its commit, and was lost; a delete removed the folder under a running chat). So a
 process that opens a stored conversation holds an exclusive lock on a file in its folder (``held``, the holder's pid
-inside) until it closes it; the system releases the lock when the process dies, however it dies, so a crash leaves
-nothing to clear. Another process's open, delete or rename of that conversation is refused in one line, naming the
-holder. Within one process, opening the conversation again is not refused (the web UI moves a conversation between
-tabs, and ``app/sessions.py`` keeps it to one tab): holds are counted per folder.
+and kvchat command inside) until it closes it; the system releases the lock when the process dies, however it dies,
+so a crash leaves nothing to clear. Another process's open, delete or rename of that conversation is refused in one
+line, naming the holder. Within one process, opening the conversation again is not refused (the web UI moves a
+conversation between tabs, and ``app/sessions.py`` keeps it to one tab): holds are counted per folder.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def hold(folder: Path, what: str) -> None:
             _held[key] = [-1, 1]
             return
         os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        os.write(fd, f"{os.getpid()}\n{_command()}\n".encode())
         _held[key] = [fd, 1]
 
 
@@ -89,10 +90,20 @@ def release(folder: Path) -> None:
                 os.close(entry[0])
 
 
+def _command() -> str:
+    """The kvchat command this process runs (``kvchat serve``), or "" for another program."""
+    argv = sys.argv
+    if len(argv) > 1 and Path(argv[0]).name in ("kvchat", "cli.py") and argv[1].isidentifier():
+        return f"kvchat {argv[1]}"
+    return ""
+
+
 def _refusal(folder: Path, what: str) -> str:
     try:
-        pid = (Path(folder) / NAME).read_text().strip()
+        pid, command = ((Path(folder) / NAME).read_text().splitlines() + ["", ""])[:2]
     except OSError:
-        pid = ""
-    by = f" (pid {pid})" if pid.isdigit() else ""
-    return f"{what} is open in another kvchat process{by}; close it there first"
+        pid, command = "", ""
+    by = f" (pid {pid}{f', `{command}`' if command else ''})" if pid.isdigit() else ""
+    there = "open another conversation in its browser tab or close the tab" if command == "kvchat serve" else \
+        "close it there first"
+    return f"{what} is open in another kvchat process{by}; {there}"

@@ -282,7 +282,7 @@ def test_a_conversation_open_in_one_process_is_refused_to_another(model_dir, tmp
                                  str(db), "--resume", str(cid), "--max-new-tokens", "3"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(600):
-            if held.is_file() and held.read_text().strip() == str(proc.pid):
+            if held.is_file() and held.read_text().split("\n")[:2] == [str(proc.pid), "kvchat chat"]:
                 return proc
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.2)
@@ -295,7 +295,8 @@ def test_a_conversation_open_in_one_process_is_refused_to_another(model_dir, tmp
 
     first = holder()
     try:
-        refusal = f"conversation {cid} is open in another kvchat process (pid {first.pid}); close it there first"
+        refusal = (f"conversation {cid} is open in another kvchat process (pid {first.pid}, `kvchat chat`); close it "
+                   "there first")
         for code, _, err in [chat(), _run(capsys, "conversations", "delete", cid, "--db", db),
                              _run(capsys, "conversations", "rename", cid, "Other", "--db", db),
                              _run(capsys, "replay", tmp_path / "s.jsonl", "--model", model_dir, "--db", db,

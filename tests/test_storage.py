@@ -221,3 +221,22 @@ def test_a_conversation_is_held_until_this_process_gives_back_its_last_hold(tmp_
     with holding.held(tmp_path, "conversation 2"):
         pass
     assert "cannot lock" in caplog.text and "another kvchat process could open conversation 2" in caplog.text
+
+
+def test_a_refusal_names_the_kvchat_command_that_holds_the_conversation(tmp_path):
+    """The refusal says which kvchat command has the conversation open, and what to do there: a browser tab of
+    ``kvchat serve`` gives it back by opening another conversation or closing."""
+    from kvchat.storage import holding
+
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; sys.argv = ['kvchat', 'serve', '--port', '7861']; "
+                               f"from kvchat.storage import holding; holding.hold({str(tmp_path)!r}, 'it'); "
+                               "print('held', flush=True); sys.stdin.read()"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(holding.HeldElsewhere) as refused:
+            holding.hold(tmp_path, "conversation 4")
+    finally:
+        holder.communicate("", timeout=60)
+    assert str(refused.value) == (f"conversation 4 is open in another kvchat process (pid {holder.pid}, `kvchat "
+                                  "serve`); open another conversation in its browser tab or close the tab")
