@@ -196,13 +196,17 @@ def test_a_long_message_is_read_again_only_from_where_its_last_budget_tokens_sta
 def test_a_long_message_that_recalls_stays_within_the_bound_and_reopens_exactly(tiny, tmp_path, monkeypatch,
                                                                                 positions):
     """Text recalled before a long message's last ``budget`` tokens: the cache stays within budget + slack, the
-    recalled keys are read again right after the cache's last position there and rotated once to their place, and
-    the turn reopens exactly."""
+    recalled keys are read again right after the cache's last position there and rotated once to their place, an
+    undo takes the turn back exactly, and the turn reopens exactly."""
     monkeypatch.setattr("kvchat.core.recall.choose.HELD_QUANTILE", 0.0)  # random weights: recall whatever scores best
     model = tiny("llama")
     live = Session(model, _settings(policy="h2o", positions=positions), store=Store(tmp_path / "l.db"),
-                   sampling=GREEDY)
+                   sampling=GREEDY, undo=True)
     _chat(live, rounds=1)
+    before = Session.resume(model, Store(tmp_path / "l.db"), live.conversation_id, sampling=GREEDY)
+    live.exchange(LONG, "The harbour wall.")
+    live.undo()
+    assert_same_cache(live, before)
     seen, forward = [], live.forward
     live.forward = lambda *a, **kw: (forward(*a, **kw), seen.append(live.cache.length))[0]
     start = live.total_tokens
