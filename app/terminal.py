@@ -36,6 +36,9 @@ def stream(session, gen) -> TurnResult:
     return session.history[-1]
 
 
+BLOCK = '"""'  # opens and closes a message over several lines (``read_message``)
+
+
 def _chat_help() -> str:
     lines = ["commands:",
              "  /policy NAME [key=value ...]   switch policy (parameters optional)",
@@ -43,6 +46,7 @@ def _chat_help() -> str:
              "  /set key=value ...             change settings (below), e.g. /set temperature=0.3 top_k=40",
              "  /stats                         cache and conversation statistics",
              "  /help, /quit                   (a line ending in \\ continues on the next line; Ctrl-C stops a reply)",
+             f"  {BLOCK + ' ... ' + BLOCK:30s} a message over several lines (paste a text between them)",
              "settings for /set (cache, then sampling):"]
     for p in (*CACHE_SETTINGS, *SAMPLING_SETTINGS):
         key = f"{p.name}={p.kind}"
@@ -51,6 +55,29 @@ def _chat_help() -> str:
 
 
 CHAT_HELP = _chat_help()
+
+
+def read_message(read) -> str:
+    """One message from the terminal (``read``: ``input``): a line; a line ending in \\ goes on on the next; one
+    opened with \"\"\" runs over lines — a pasted text with its line breaks and blank lines — until a line that
+    ends with \"\"\" (each line of a paste was a message of its own, each answered)."""
+    line = read("you> ")
+    if line.lstrip().startswith(BLOCK):
+        rest, lines = line.lstrip()[len(BLOCK):], []
+        while not rest.rstrip().endswith(BLOCK):
+            lines.append(rest)
+            try:
+                rest = read("...> ")
+            except EOFError:
+                raise CLIError(f"the input ended inside a message opened with {BLOCK} (close it with {BLOCK})") \
+                    from None
+        lines.append(rest.rstrip()[: -len(BLOCK)])
+        return "\n".join(lines).strip("\n")
+    while line.endswith("\\"):
+        line = line[:-1] + "\n" + read("...> ")
+    return line
+
+
 SETTABLE = {p.name: p for p in (*CACHE_SETTINGS, *SAMPLING_SETTINGS)}
 
 
@@ -134,9 +161,7 @@ def cmd_chat(args) -> int:
               "| /help for commands", file=sys.stderr)
         while True:
             try:
-                line = input("you> ")
-                while line.endswith("\\"):
-                    line = line[:-1] + "\n" + input("...> ")
+                line = read_message(input)
             except EOFError:
                 print()
                 break

@@ -230,6 +230,25 @@ def test_terminal_chat_with_commands(model_dir, tmp_path):
     assert len(Store(db).messages(conv["id"])) == 7
 
 
+def test_a_message_between_triple_quotes_runs_over_lines(model_dir, tmp_path, capsys, monkeypatch):
+    """A pasted text with its line breaks and blank lines is one message between \"\"\" lines (pasted without them,
+    each line was a message of its own, each answered); input that ends inside one is a one-line error, nothing of
+    it sent."""
+    db = tmp_path / "kv.db"
+    monkeypatch.setattr("sys.stdin", io.StringIO('"""\nChapter 1\n\nIt was a dark night.\n  Indented.\n"""\n'
+                                                 '"""One line."""\nAnd a plain one.\n'))
+    code, out, err = _run(capsys, "chat", "--model", model_dir, "--db", db, "--budget", 64, "--max-new-tokens", 3)
+    assert code == 0, err
+    (conv,) = Store(db).conversations()
+    users = [m["text"] for m in Store(db).messages(conv["id"]) if m["role"] == "user"]
+    assert users == ["Chapter 1\n\nIt was a dark night.\n  Indented.", "One line.", "And a plain one."]
+    assert out.count("bot> ") == 3
+    monkeypatch.setattr("sys.stdin", io.StringIO('"""\nNever closed\n'))
+    code, out, err = _run(capsys, "chat", "--model", model_dir, "--db", db, "--resume", conv["id"])
+    assert code == 2 and 'kvchat: error: the input ended inside a message opened with """' in err
+    assert len(Store(db).messages(conv["id"])) == 7 and "bot> " not in out
+
+
 def test_cache_flags_given_with_resume_change_the_stored_settings(model_dir, tmp_path, capsys, monkeypatch):
     """``--resume`` with cache flags continues the conversation with its stored settings changed by them, as
     /policy and /set change them (they were ignored without a word); the same command again changes nothing."""
