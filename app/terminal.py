@@ -46,7 +46,7 @@ def _chat_help() -> str:
              "  /set key=value ...             change settings (below), e.g. /set temperature=0.3 top_k=40",
              "  /stats                         cache and conversation statistics",
              "  /help, /quit                   (a line ending in \\ continues on the next line; Ctrl-C stops a reply)",
-             f"  {BLOCK + ' ... ' + BLOCK:30s} a message over several lines (paste a text between them)",
+             f"  {BLOCK + ' ... ' + BLOCK:30s} a message typed over several lines (a paste is one as it is)",
              "settings for /set (cache, then sampling):"]
     for p in (*CACHE_SETTINGS, *SAMPLING_SETTINGS):
         key = f"{p.name}={p.kind}"
@@ -136,6 +136,16 @@ def _chat_command(session, line: str) -> bool:
     return True
 
 
+def _line_editing() -> None:
+    """In a terminal, input through readline: the arrow keys edit the line and go through earlier messages, and a
+    text pasted with its line breaks is one message (readline 8.1+ asks the terminal to mark a paste: bracketed
+    paste); without it each pasted line was a message of its own, each answered."""
+    try:
+        import readline  # noqa: F401  (input() uses it once imported)
+    except ImportError:  # a Python built without it: plain lines, and \"\"\" for a message over lines
+        pass
+
+
 def cmd_chat(args) -> int:
     from ..core.engine.session import Session
     from ..storage.db import Store
@@ -159,6 +169,8 @@ def cmd_chat(args) -> int:
         s = session.settings
         print(f"{model.name} | policy {s.policy} | budget {s.budget} | groups {s.groups} | positions {s.positions} "
               "| /help for commands", file=sys.stderr)
+        if sys.stdin.isatty():
+            _line_editing()
         while True:
             try:
                 line = read_message(input)

@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import subprocess
 import sys
 import time
@@ -247,6 +248,42 @@ def test_a_message_between_triple_quotes_runs_over_lines(model_dir, tmp_path, ca
     code, out, err = _run(capsys, "chat", "--model", model_dir, "--db", db, "--resume", conv["id"])
     assert code == 2 and 'kvchat: error: the input ended inside a message opened with """' in err
     assert len(Store(db).messages(conv["id"])) == 7 and "bot> " not in out
+
+
+def test_a_text_pasted_into_the_terminal_is_one_message(model_dir, tmp_path):
+    """In a terminal the chat reads through readline, which has the terminal mark a paste (bracketed paste): a text
+    pasted with its line breaks and blank lines is one message, not one message (and one reply) per line."""
+    import pty
+    import select
+
+    pytest.importorskip("readline", reason="this Python has no readline: a paste is a message per line")
+    db = tmp_path / "kv.db"
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "kvchat.app.cli", "chat", "--model", str(model_dir), "--db", str(db),
+                             "--budget", "64", "--max-new-tokens", "3"], stdin=slave, stdout=slave,
+                            stderr=subprocess.DEVNULL)
+    os.close(slave)
+
+    def until_prompt(seen=b""):
+        deadline = time.time() + 120
+        while not seen.rstrip().endswith(b"you>") and time.time() < deadline:
+            if select.select([master], [], [], 0.2)[0]:
+                seen += os.read(master, 4096)
+        assert seen.rstrip().endswith(b"you>"), seen
+        return seen
+
+    try:
+        until_prompt()
+        os.write(master, b"\x1b[200~Chapter 1\n\nIt was a dark night.\nThe end.\x1b[201~\r")  # what a terminal sends
+        until_prompt()
+        os.write(master, b"\x04")  # Ctrl-D: the end of the input
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        os.close(master)
+    (conv,) = Store(db).conversations()
+    users = [m["text"] for m in Store(db).messages(conv["id"]) if m["role"] == "user"]
+    assert users == ["Chapter 1\n\nIt was a dark night.\nThe end."]
 
 
 def test_cache_flags_given_with_resume_change_the_stored_settings(model_dir, tmp_path, capsys, monkeypatch):
