@@ -58,9 +58,9 @@ CHAT_HELP = _chat_help()
 
 
 def read_message(read) -> str:
-    """One message from the terminal (``read``: ``input``): a line; a line ending in \\ goes on on the next; one
-    opened with \"\"\" runs over lines — a pasted text with its line breaks and blank lines — until a line that
-    ends with \"\"\" (each line of a paste was a message of its own, each answered)."""
+    """One message from the terminal (``read``: ``input``): a line (in a terminal, a paste as one: ``_line_editing``);
+    a line ending in \\ goes on on the next; one opened with \"\"\" runs over lines, blank ones too, until a line
+    that ends with \"\"\" (a text piped in, or typed, over several lines)."""
     line = read("you> ")
     if line.lstrip().startswith(BLOCK):
         rest, lines = line.lstrip()[len(BLOCK):], []
