@@ -59,11 +59,17 @@ def chunk(session, m: int) -> int:
     return c
 
 
-def make_room(session, m: int) -> int:
-    """How many of the next ``m`` tokens to feed now, compressing first if the cache has no room for them."""
+def make_room(session, m: int, logged: int = 0) -> int:
+    """How many of the next ``m`` tokens to feed now, compressing first if the cache has no room for them.
+    ``logged``: how many of them the token log already holds (the rest of a long message): the compression's policy
+    counts those past this chunk as not read yet (``session.unread``; H2O's average)."""
     c = chunk(session, m)
     if session.policy.bounded and c > session.cache.room:
-        compress(session, session.settings.budget, "prefill" if m > 1 else "decode")
+        session.unread = max(logged - c, 0)
+        try:
+            compress(session, session.settings.budget, "prefill" if m > 1 else "decode")
+        finally:
+            session.unread = 0
     return c
 
 

@@ -20,8 +20,9 @@ from .turns import TurnResult, stage
 
 
 class Feeding:
-    #: Tokens at the token log's end not read into the cache yet while a compression runs: a long message's later
-    #: chunks, or its part after its ``TailMark`` (the policy sees the tokens read: ``compress.layer_view``).
+    #: Tokens at the token log's end not read into the cache yet while a compression runs (the policy sees the
+    #: tokens read: ``compress.layer_view``): a long message's later chunks (set by ``compress.make_room``), or
+    #: its part after its ``TailMark`` while recall puts text back.
     unread = 0
     tail_mark = None  # the ``TailMark`` a long message's first read left (``_read``'s ``mark``)
 
@@ -163,14 +164,10 @@ class Feeding:
         planned = 0
         short = self.model.step.short_feed if self.model.step is not None else 0  # core/decode: where it pays
         while i < total:
-            ahead = compress.chunk(self, total - i + more)
-            if mark and (total - i <= mark or i + ahead >= total):
+            if mark and (total - i <= mark or i + compress.chunk(self, total - i + more) >= total):
                 self.tail_mark, mark = TailMark.capture(self, ids, positions, i), 0
-            self.unread = max(total - i - ahead, 0)  # a compression's policy sees what is read up to this chunk
-            try:
-                planned = min(first, total) if i == 0 and first else compress.make_room(self, total - i + more)
-            finally:
-                self.unread = 0
+            planned = min(first, total) if i == 0 and first else \
+                compress.make_room(self, total - i + more, logged=total - i)
             c = min(planned, total - i)
             if tap is not None:
                 tap.keep = ~torch.isin(ids[i: i + c], special)
