@@ -226,6 +226,42 @@ def test_a_long_message_that_recalls_stays_within_the_bound_and_reopens_exactly(
     assert reopened.chat("And the sea?").answer == live.chat("And the sea?").answer
 
 
+def test_a_mark_that_only_appends_is_never_taken_over_a_read_that_compresses(tiny, monkeypatch):
+    """A ``ReadMark`` puts back only heads' lengths and statistics, so no compression may run in the read after it.
+    A message that fits the free slots can still compress while it is read: its chunks are planned over the answer
+    that follows (here 17 tokens with 19 free slots, read 8 at a time, compressed before the last); such a read is
+    marked by a copy of the whole session instead."""
+    from kvchat.core.engine.checkpoint import ReadMark
+
+    marked, broken, capture, real = [False], [], ReadMark.capture, compress.compress
+
+    def mark(cls, session, *args):
+        out = capture.__func__(cls, session, *args)
+        marked[0] = out is not None
+        return out
+
+    def compressing(session, keep, reason, *args, **kw):
+        broken.append(marked[0] and reason != "recall")
+        return real(session, keep, reason, *args, **kw)
+
+    feed = Session._feed
+
+    def first_read(self, *args, **kw):  # the message read for its queries (with a tap) ends the marked read
+        out = feed(self, *args, **kw)
+        marked[0] = marked[0] and kw.get("tap") is None
+        return out
+
+    monkeypatch.setattr(ReadMark, "capture", classmethod(mark))
+    monkeypatch.setattr(compress, "compress", compressing)
+    monkeypatch.setattr(Session, "_feed", first_read)
+    session = Session(tiny("llama"), _settings(policy="h2o", budget=64, slack=8), sampling=GREEDY)
+    for _ in range(2):
+        session.exchange("Hi.", "Hello there.")
+    broken.clear()
+    session.exchange("word " * 11, "And a longer answer follows here, on and on." * 8)
+    assert broken and not any(broken), "the message's read compressed; no mark that only appends was over it"
+
+
 @pytest.mark.parametrize("policy", ["h2o", "snapkv"])
 def test_forgetting_a_read_message_by_its_mark_equals_the_whole_checkpoint(tiny, tmp_path, monkeypatch, policy):
     """Recall reads a user message for its queries, then forgets the read before the put-back: by a ``ReadMark``
@@ -241,7 +277,7 @@ def test_forgetting_a_read_message_by_its_mark_equals_the_whole_checkpoint(tiny,
             if marks:
                 patch.setattr(ReadMark, "restore", lambda self, session: restored.append(1) or restore(self, session))
             else:
-                patch.setattr(ReadMark, "capture", classmethod(lambda cls, session, tokens: None))
+                patch.setattr(ReadMark, "capture", classmethod(lambda cls, session, tokens, more=0: None))
             # slack for a short message to fit the free slots after a compression
             session = Session(tiny("llama"), _settings(policy=policy, slack=24),
                               store=Store(tmp_path / folder / "m.db"), sampling=GREEDY)

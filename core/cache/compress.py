@@ -50,21 +50,39 @@ class Evictions:
         return events
 
 
-def chunk(session, m: int) -> int:
-    """How many of the next ``m`` tokens ``make_room`` feeds now: at most the free slots, or ``slack`` after a
-    compression."""
+def chunk(session, m: int, room: int | None = None) -> int:
+    """How many of the next ``m`` tokens ``make_room`` feeds now: at most the free slots (``room``: the cache's
+    unless given), or ``slack`` after a compression."""
     c = min(m, MAX_CHUNK)
-    if session.policy.bounded and c > session.cache.room:
+    if session.policy.bounded and c > (session.cache.room if room is None else room):
         c = min(c, session.settings.slack_tokens)
     return c
+
+
+def reads_without_compressing(session, n: int, more: int = 0) -> bool:
+    """Whether the next ``n`` tokens, followed by ``more`` in the same turn, are read in the chunks ``make_room``
+    plans without a compression (fitting the free slots is not enough: a chunk planned over the tokens that follow
+    may need more room than is left)."""
+    if not session.policy.bounded:
+        return True
+    room, left = session.cache.room, n
+    while left > 0:
+        c = chunk(session, left + more, room)
+        if c > room:
+            return False
+        room, left = room - min(c, left), left - c
+    return True
 
 
 def make_room(session, m: int, logged: int = 0) -> int:
     """How many of the next ``m`` tokens to feed now, compressing first if the cache has no room for them.
     ``logged``: how many of them the token log already holds (the rest of a long message): the compression's policy
     counts those past this chunk as not read yet (``session.unread``; H2O's average)."""
-    c = chunk(session, m)
-    if session.policy.bounded and c > session.cache.room:
+    if not session.policy.bounded:
+        return min(m, MAX_CHUNK)
+    room = session.cache.room  # once: every fed token asks
+    c = chunk(session, m, room)
+    if c > room:
         session.unread = max(logged - c, 0)
         try:
             compress(session, session.settings.budget, "prefill" if m > 1 else "decode")

@@ -5,25 +5,24 @@ and what indexes it (observer queries, token log length, sentence numbering), th
 records not yet written, the policy's learned state and the sampling generator. A new piece of turn state gets a
 field here, or undo would not take it back.
 
-``ReadMark`` is the light form recall uses to forget its first read of a user message: when the message fits the
-free slots, reading it only appends (tokens, the statistics and observer window it adds to, the logits), so only
-that is marked and put back. A new piece of state that feeding a message changes gets a field there too.
-
-``TailMark`` is its form for a message read in pieces with compressions between: a ``Checkpoint`` taken where the
-message's last ``budget`` tokens start, so recall reads only those again.
+``ReadMark`` and ``TailMark`` are the marks recall takes while it first reads a user message, where its last
+``budget`` tokens start (the whole message when it is shorter), to forget the read from there and read those tokens
+again after putting text back. Where the rest of the message is read without a compression, reading it only
+appends (tokens, the statistics and observer window it adds to, the logits), so a ``ReadMark`` marks only that; a
+new piece of state that feeding a message changes gets a field there too. Otherwise a ``TailMark`` copies the whole
+session (a ``Checkpoint``).
 """
 
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ...policies import make_policy
-from ..cache import snapshot
+from ..cache import compress, snapshot
 from ..cache.compress import Evictions
 from .settings import Settings
 
@@ -110,11 +109,11 @@ class Checkpoint:
 
 @dataclass
 class ReadMark:
-    """The session before one message is read, when reading it can only append: the message fits every head's free
-    slots, so no compression (and no reallocation) runs while it is fed. ``restore`` forgets the read: each head's
-    length, the per-slot statistics the read added to, the observer's query window, the token log and the last
-    logits (the caller forgets what recall's digests staged of the read). Recall reads a message for its
-    queries and forgets the read this way when it can; a ``Checkpoint`` copies the whole cache."""
+    """The session before ``tokens`` tokens are read, when reading them can only append: no compression (and no
+    reallocation) runs while they are fed, so nothing is staged for recall's digests either. ``restore`` forgets the
+    read: each head's length, the per-slot statistics the read added to, the observer's query window, the token log
+    (to where it was at the mark) and the last logits. ``at``: where in its message the mark was taken; ``ms``: what
+    taking it cost."""
 
     lens: list[list[int]]
     stats: list[dict[str, torch.Tensor]]
@@ -122,13 +121,17 @@ class ReadMark:
     log_n: int
     sentence: tuple[int, bool]
     last_logits: torch.Tensor | None
+    at: int = 0
+    ms: float = 0.0
 
     @classmethod
-    def capture(cls, session, tokens: int) -> "ReadMark | None":
-        """The mark before ``tokens`` tokens are read, or None when reading them could compress the cache."""
+    def capture(cls, session, tokens: int, more: int = 0) -> "ReadMark | None":
+        """The mark before ``tokens`` tokens (then ``more`` in the same turn) are read, or None when reading them
+        could compress the cache."""
         cache, observer = session.cache, session.observer
         layers = cache.layers
-        if not session.policy.bounded or not all(layer.is_initialized for layer in layers) or tokens > cache.room:
+        if not session.policy.bounded or not all(layer.is_initialized for layer in layers) or \
+                not compress.reads_without_compressing(session, tokens, more):
             return None
         return cls(
             lens=[list(layer.lens) for layer in layers],
@@ -153,25 +156,21 @@ class ReadMark:
 
 @dataclass
 class TailMark:
-    """The session part way through reading a long message (``ids`` at ``positions``, already in the token log): at
-    the start of the chunk from ``ids[at]`` on, before its compression. Recall puts its text back there and reads
-    only the rest again: the part of the message the cache can still hold at its end (the last ``budget`` tokens,
-    at most) is computed with the recalled text before it; the earlier part, long evicted or scored by the policy
-    on the first read, is not read twice. ``ms``: what taking the mark cost."""
+    """The session part way through reading a message whose rest may compress the cache: a copy of all of it, and of
+    what recall's digests staged so far (a compression stages the keys it drops). ``at``, ``ms``: as ``ReadMark``'s.
+    Recall puts its text back there and reads only the rest again: the part of the message the cache can still hold
+    at its end is computed with the recalled text before it; the earlier part, evicted or scored by the policy on
+    the first read, is not read twice."""
 
-    at: int
-    ids: torch.Tensor
-    positions: torch.Tensor
     checkpoint: Checkpoint
     stage: object  # recall's staged keys (core/recall/digest.py) at the mark
-    ms: float
+    at: int = 0
+    ms: float = 0.0
 
     @classmethod
-    def capture(cls, session, ids: torch.Tensor, positions: torch.Tensor, at: int) -> "TailMark":
-        t = time.perf_counter()
-        checkpoint = Checkpoint.capture(session)
-        stage = copy.deepcopy(session.digests.stage) if session.digests is not None else None
-        return cls(at, ids, positions, checkpoint, stage, 1000 * (time.perf_counter() - t))
+    def capture(cls, session) -> "TailMark":
+        return cls(Checkpoint.capture(session),
+                   copy.deepcopy(session.digests.stage) if session.digests is not None else None)
 
     def restore(self, session) -> None:
         """Back to the mark (once: the staged keys are handed over)."""

@@ -22,9 +22,9 @@ from .turns import TurnResult, stage
 class Feeding:
     #: Tokens at the token log's end not read into the cache yet while a compression runs (the policy sees the
     #: tokens read: ``compress.layer_view``): a long message's later chunks (set by ``compress.make_room``), or
-    #: its part after its ``TailMark`` while recall puts text back.
+    #: its part after its read mark while recall puts text back.
     unread = 0
-    tail_mark = None  # the ``TailMark`` a long message's first read left (``_read``'s ``mark``)
+    read_mark = None  # the mark a user message's first read left for recall (``_read``'s ``mark``)
 
     def _encode(self, text: str) -> list[int]:
         return encode(self.model.tokenizer, text)
@@ -50,27 +50,23 @@ class Feeding:
             tap = QueryTap(self.digests.layers)
             # Room for the message's first chunk, as feeding the message and its answer at once would make (the
             # message and the answer are read in the chunks and with the compressions of that: recall on or off,
-            # the same cache when nothing comes back). A message that fits is forgotten by a mark (``ReadMark``);
-            # one read in pieces with compressions between, by a copy of the whole cache where its last ``budget``
-            # tokens start (``TailMark``): only those are read again, the part of it the cache can hold at its end.
+            # the same cache when nothing comes back). The read is marked where the message's last ``budget``
+            # tokens start (core/engine/checkpoint.py): only those are read again, the part of it the cache can hold
+            # at its end.
             rest = sum(len(ids) for ids, _ in segments[1:])
             compress.make_room(self, len(segments[0][0]) + rest)
-            t = time.perf_counter()
-            before = ReadMark.capture(self, len(segments[0][0]))
-            marking = 1000 * (time.perf_counter() - t)
             try:
                 with stage("kvchat.message"):  # the stages of a profiled turn (turns.STAGES)
                     head = self._feed(segments[:1], want_logprobs=want_logprobs, tap=tap, tail=gate.TAIL, more=rest,
-                                      mark=0 if before else self.settings.budget)
+                                      mark=self.settings.budget)
             finally:
-                before, self.tail_mark = before or self.tail_mark, None
+                before, self.read_mark = self.read_mark, None
             with stage("kvchat.recall.plan"):
                 found = recall.plan(self, tap, torch.as_tensor(segments[0][0]))
-            # what recall adds to every message: the mark, the scoring, the put-back
-            found["recall_ms"] += marking + (before.ms if isinstance(before, TailMark) else 0.0)
+            found["recall_ms"] += before.ms  # what recall adds to every message: the mark, the scoring, the put-back
             if found["recalled"]:
                 with stage("kvchat.recall.back"):
-                    head = self._read_with(segments[:1], want_logprobs, before, found, head, rest)
+                    head = self._read_with(segments[0][0], want_logprobs, before, found, head, rest)
             del before  # a ``TailMark`` holds a copy of the cache
             for key in ("recalled_tokens", "recalled_groups", "recalled", "recall_ms"):
                 setattr(res, key, found[key])
@@ -89,33 +85,28 @@ class Feeding:
         res.prompt_tokens = sum(len(ids) for ids, _ in segments)
         return out
 
-    def _read_with(self, message, want_logprobs: bool, before, found: dict, first, rest: int):
-        """Read ``message`` again with the text ``found`` recalled before it; keep that read if the recalled text
-        makes the message more predictable (core/recall/gate.py), else go back to the first read
-        (``first``: its ``_feed`` result). Returns the read kept; ``found`` says what stayed."""
+    def _read_with(self, message: list[int], want_logprobs: bool, before, found: dict, first, rest: int):
+        """Read ``message`` (the token log's last tokens) again from its mark ``before`` with the text ``found``
+        recalled before that; keep that read if the recalled text makes the message more predictable
+        (core/recall/gate.py), else go back to the first read (``first``: its ``_feed`` result). Returns the read
+        kept; ``found`` says what stayed."""
         t = time.perf_counter()
         scaffolding = self.model.scaffolding_ids()
         without = gate.content_nll(self.tail_logprobs, scaffolding)
         after_first = Checkpoint.capture(self)  # the message read without recall: kept if recall does not help
         stage, guard, carry = copy.deepcopy(self.digests.stage), self.recall_guard, self.carry
-        if isinstance(before, TailMark):  # a long message: read again from where its last ``budget`` tokens start
-            before.restore(self)
-            self.unread = len(before.ids) - before.at
-            try:
-                recall.bring_back(self, found["bring"], end=int(before.positions[before.at]))
-            finally:
-                self.unread = 0
-            found["recall_ms"] += 1000 * (time.perf_counter() - t)
-            head = self._read(before.ids, before.positions, want_logprobs=want_logprobs, tail=gate.TAIL, more=rest,
-                              start=before.at)
-            if want_logprobs:  # the first read's scores of the tokens before the mark: the same state computed them
-                head = (head[0], *(torch.cat([a[: before.at], b]) for a, b in zip(first[1:], head[1:])))
-        else:
-            before.restore(self)  # the first read is forgotten, what the digests staged of it too
-            self.digests.truncate(self.log.n)
-            recall.bring_back(self, found["bring"])
-            found["recall_ms"] += 1000 * (time.perf_counter() - t)
-            head = self._feed(message, want_logprobs=want_logprobs, tail=gate.TAIL, more=rest)
+        before.restore(self)  # the read from the mark is forgotten (the message stays in the token log)
+        ids, at = torch.tensor(message, dtype=torch.long), before.at
+        positions = torch.arange(self.log.n - ids.numel(), self.log.n)
+        self.unread = ids.numel() - at
+        try:
+            recall.bring_back(self, found["bring"], end=int(positions[at]))
+        finally:
+            self.unread = 0
+        found["recall_ms"] += 1000 * (time.perf_counter() - t)
+        head = self._read(ids, positions, want_logprobs=want_logprobs, tail=gate.TAIL, more=rest, start=at)
+        if want_logprobs:  # the first read's scores of the tokens before the mark: the same state computed them
+            head = (head[0], *(torch.cat([a[:at], b]) for a, b in zip(first[1:], head[1:])))
         with_recall = gate.content_nll(self.tail_logprobs, scaffolding)
         found["recall_gain"] = None if without is None or with_recall is None else without - with_recall
         if gate.keeps(without, with_recall):
@@ -141,8 +132,9 @@ class Feeding:
         log-probabilities), for recall's gate (core/recall/gate.py). ``more``: tokens that follow in the same
         turn (recall reads a user message before what answers it): the chunks and compressions are those of
         feeding both at once, the part of the last chunk past these tokens left in ``carry`` for the next call's
-        ``first`` chunk, whose room was made. ``mark``: a ``TailMark`` left in ``tail_mark`` at the start of the
-        first chunk that leaves at most ``mark`` tokens to read (recall reads a long message again from there).
+        ``first`` chunk, whose room was made. ``mark``: a mark left in ``read_mark`` at the start of the first chunk
+        that leaves at most ``mark`` tokens to read (recall reads the message again from there): a ``ReadMark`` where
+        the rest is read without a compression, else a ``TailMark``.
         """
         positions = self.log.append_messages(self.model.tokenizer,
                                              [(ids, m, self.messages[m]["role"]) for ids, m in segments],
@@ -155,7 +147,7 @@ class Feeding:
               start: int = 0):
         """``_feed``'s chunked forwards of tokens already in the token log, from ``ids[start]`` on."""
         if mark:
-            self.tail_mark = None
+            self.read_mark = None
         if tap is not None:
             special = self.model.scaffolding_ids()
         total = ids.numel()
@@ -165,7 +157,9 @@ class Feeding:
         short = self.model.step.short_feed if self.model.step is not None else 0  # core/decode: where it pays
         while i < total:
             if mark and (total - i <= mark or i + compress.chunk(self, total - i + more) >= total):
-                self.tail_mark, mark = TailMark.capture(self, ids, positions, i), 0
+                t = time.perf_counter()
+                self.read_mark = ReadMark.capture(self, total - i, more) or TailMark.capture(self)
+                self.read_mark.at, self.read_mark.ms, mark = i, 1000 * (time.perf_counter() - t), 0
             planned = min(first, total) if i == 0 and first else \
                 compress.make_room(self, total - i + more, logged=total - i)
             c = min(planned, total - i)

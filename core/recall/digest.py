@@ -89,14 +89,6 @@ class Stage:
         self.keys, self.start, self.n = None, n, 0
         return out
 
-    def truncate(self, n: int) -> None:
-        """Forget what was staged for positions ``n`` and later (a read undone)."""
-        if self.keys is not None and n <= self.start:
-            self.keys, self.n = None, 0
-        elif self.keys is not None:
-            self.n = min(self.n, n - self.start)
-            self.keys[:, :, self.n:] = 0
-
 
 class Digests:
     """The digests of a conversation's sentence groups (on disk: ``DigestStore``), with the coarse keys of the live
@@ -255,10 +247,6 @@ class Digests:
             self._reload()
         else:  # the live groups kept are the same records from the same start: what memory holds of them stays
             self._content = self._content[: self.count]  # (the coarse keys past ``count`` are written over)
-
-    def truncate(self, n: int) -> None:
-        """Forget what was staged for positions ``n`` and later (a read undone before its turn closed)."""
-        self.stage.truncate(n)
 
     def sync(self) -> None:
         self.store.sync()
