@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass, field
 
 from ..core.model.loading import ChatModel
-from ..core.engine.session import Sampling, Session
+from ..core.engine.session import ContextFullError, Sampling, Session
 from ..core.engine.settings import Settings
 from ..storage.db import Store
 
@@ -22,12 +22,15 @@ class CapacityError(RuntimeError):
     """The server has no room for another session or a larger cache."""
 
 
+#: What a handler shows as a visible error instead of raising (OSError: the disk refused, full or read-only).
+USER_ERRORS = (ValueError, ContextFullError, CapacityError, OSError)
+
+
 @dataclass
 class Entry:
     session: Session
     rss_mb: dict[int, float] = field(default_factory=dict)  # turn -> memory after it (GPU allocated on CUDA, else RSS)
     busy: bool = False  # a reply is streaming
-    stopping: bool = False  # Stop was pressed while it streams
 
 
 class SessionManager:

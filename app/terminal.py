@@ -9,16 +9,46 @@ import threading
 import time
 
 from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS
-from ..core.engine.turns import TurnResult
+from ..core.engine.turns import ReadStopped, TurnResult
 from ..policies import POLICIES, declared_params
 from .args import CLIError, db_path, parse_setting, prepare, resumed_changes
+
+
+class Reading:
+    """While a long message is read before its reply, a line on a terminal's stderr that says how far the read got
+    (``session.reading``, every ``every`` seconds), wiped when the reply begins (``done``)."""
+
+    def __init__(self, session, out=None, every: float = 0.5):
+        self.session, self.out, self.every = session, out or sys.stderr, every
+        self._done, self._shown = threading.Event(), False
+        self._thread = threading.Thread(target=self._run, name="kvchat-reading", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.every):
+            if (reading := self.session.reading) is not None:
+                self.out.write(f"\r\033[K[reading your message: {reading[0]:,} of {reading[1]:,} tokens; Ctrl-C "
+                               "stops it]")
+                self.out.flush()
+                self._shown = True
+
+    def done(self, prompt: bool = True) -> None:
+        """Stop; the line wiped where it was shown (and the reply's ``prompt`` written again)."""
+        if not self._done.is_set():
+            self._done.set()
+            self._thread.join()
+            if self._shown:
+                self.out.write("\r\033[K")
+                self.out.flush()
+                print("bot> " if prompt else "", end="", flush=True)
 
 
 def stream(session, gen) -> TurnResult:
     """Print a reply as it streams and return its turn. Ctrl-C stops it between two tokens (``session.cancel``), so
     the partial reply is kept and its turn closed and saved: a KeyboardInterrupt raised inside a model step would
-    leave the step half done and the turn open. A second Ctrl-C interrupts at once (the turn in progress is lost, as
-    in a crash; every turn before it is saved)."""
+    leave the step half done and the turn open. While a long message is still read (a terminal shows how far:
+    ``Reading``), Ctrl-C stops the read between two chunks (``ReadStopped``: nothing of the message is kept). A second
+    Ctrl-C interrupts at once (the turn in progress is lost, as in a crash; every turn before it is saved)."""
     previous = None
 
     def stop(signum, frame):
@@ -27,10 +57,16 @@ def stream(session, gen) -> TurnResult:
 
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGINT, stop)
+    reading = Reading(session) if sys.stderr.isatty() else None
     try:
         for delta in gen:
+            if reading is not None:
+                reading.done()
+                reading = None
             print(delta, end="", flush=True)
     finally:
+        if reading is not None:  # the read stopped, or the reply ended without a token
+            reading.done(prompt=False)
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
     return session.history[-1]
@@ -192,6 +228,9 @@ def cmd_chat(args) -> int:
             t = time.perf_counter()
             try:
                 res = stream(session, gen)
+            except ReadStopped as exc:  # Ctrl-C while a long message was read: as if it had not been sent
+                print(f"\nkvchat: {exc}", file=sys.stderr)
+                continue
             except KeyboardInterrupt:
                 print("\nkvchat: interrupted; the reply in progress is not saved (every turn before it is)",
                       file=sys.stderr)

@@ -34,6 +34,11 @@ class Live:
     rss_mb: float
 
 
+def error_html(text: str) -> str:
+    """A status line shown as an error (in red, with a sign)."""
+    return f'<span class="kv-error">⚠ {text}</span>'
+
+
 def _change_label(changes: dict) -> str:
     shown = [f"{k} {v}" for k, v in changes.items() if k in ("policy", "budget", "groups", "positions", "window",
                                                             "sink")]

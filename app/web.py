@@ -1,46 +1,35 @@
 """``kvchat serve``: the Gradio web UI.
 
-Chat (streamed, stop, undo/retry; Enter sends, Shift+Enter starts a new line), a settings panel generated from the
-declared settings (``core/engine/settings.py``) and the policies' declared parameters that changes the live
-conversation, charts of the cache updated while a reply streams, the conversation as the cache holds it, and the
-saved conversations. Each browser tab has its own engine session (``SessionManager``); replies
-and conversation loads queue on the one model.
+Chat (streamed, stop, undo/retry; Enter sends, Shift+Enter starts a new line: its handlers in app/chatting.py), a
+settings panel generated from the declared settings (``core/engine/settings.py``) and the policies' declared
+parameters that changes the live conversation, charts of the cache updated while a reply streams, the conversation
+as the cache holds it, and the saved conversations. Each browser tab has its own engine session
+(``SessionManager``); replies and conversation loads queue on the one model.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # a local tool: no calls home
 
 import gradio as gr  # noqa: E402
 
-from ..core.engine.session import ContextFullError, memory_mb  # noqa: E402
 from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS  # noqa: E402
 from ..policies import POLICIES, declared_params, policy_class  # noqa: E402
 from .args import parse_setting  # noqa: E402
-from .sessions import CapacityError, Entry, SessionManager  # noqa: E402
+from .chatting import Chatting  # noqa: E402
+from .sessions import USER_ERRORS, CapacityError, Entry, SessionManager  # noqa: E402
 from .layout import CSS, Layout, theme  # noqa: E402
-from .views import Live, cache_view, charts, chat_messages, head_map, stored_turns  # noqa: E402
-
-CHART_EVERY_S = 1.0  # chart refresh while a reply streams
-SHOW_EVERY_S = 0.05  # the streamed reply is shown at most this often (the tokens between come with the next)
-MAX_MESSAGE_CHARS = 100_000  # longer messages are refused: their prefill cannot be stopped and holds the model
-USER_ERRORS = (ValueError, ContextFullError, CapacityError, OSError)  # OSError: the disk refused (full, read-only)
-
-def _error(text: str) -> str:
-    return f'<span class="kv-error">⚠ {text}</span>'
+from .views import Live, cache_view, charts, chat_messages, error_html as _error, head_map, stored_turns  # noqa: E402
 
 
-
-class WebApp(Layout):
+class WebApp(Layout, Chatting):
     """The UI's event handlers over a SessionManager; ``build()`` lays out the Blocks and wires the events."""
 
     def __init__(self, manager: SessionManager, model_name: str):
@@ -130,120 +119,6 @@ class WebApp(Layout):
         if entry is not None and entry.busy:
             raise ValueError("a reply is streaming; stop it first")
         return entry
-
-    def send(self, text: str, request: gr.Request):
-        key = request.session_hash
-        yield from self._stream(key, text)
-
-    def _stream(self, key: str, text: str):
-        """Yields chat, input, charts, head map, cache view, conversations, status, info."""
-        keep = [gr.skip()] * 6
-        try:
-            entry = self._idle(self._entry(key))  # a second submit while a reply streams is refused
-            if isinstance(text, str) and len(text) > MAX_MESSAGE_CHARS:
-                raise ValueError(f"the message is too long ({len(text):,} characters; the web UI takes up to "
-                                 f"{MAX_MESSAGE_CHARS:,}, since a prefill cannot be stopped and holds the model): "
-                                 "feed long texts with kvchat replay")
-            gen = entry.session.reply(text)
-        except USER_ERRORS as exc:
-            gr.Warning(str(exc))
-            yield [gr.skip(), gr.skip()] + [gr.skip()] * 3 + [gr.skip(), _error(str(exc)), gr.skip()]
-            return
-        s = entry.session
-        entry.busy, entry.stopping = True, False
-        shown = chat_messages(s) + [{"role": "user", "content": text}, {"role": "assistant", "content": "▌"}]
-        yield [shown, ""] + keep
-        answer, last_chart, last_shown, t0, n, before = "", 0.0, 0.0, time.perf_counter(), 0, None
-        stored = stored_turns(s, self.manager.store)  # the charts' stored turns: unchanged until the reply commits
-        failed = broken = None
-        try:
-            for delta in gen:
-                if entry.stopping:  # Stop pressed before the reply's first token (the engine starts un-cancelled)
-                    s.cancel()
-                answer += delta
-                n += 1
-                if before is None:  # the finished messages (and the user's count) are drawn once per reply
-                    before = chat_messages(s, in_progress=False)
-                now = time.perf_counter()
-                if now - last_shown < SHOW_EVERY_S:
-                    continue  # the browser draws the whole pane again for each update: these tokens go with the next
-                last_shown, chart = now, gr.skip()
-                if now - last_chart >= CHART_EVERY_S:
-                    last_chart = now
-                    cache = s.cache_now()
-                    live = Live(cache["turn"], cache["cache_tokens"], cache["cache_bytes"], n / max(now - t0, 1e-6),
-                                memory_mb(s.model.device)[1])
-                    chart = self._charts(entry, live, stored)
-                yield [before + [{"role": "assistant", "content": answer + " ▌"}], gr.skip(), chart] + [gr.skip()] * 5
-        except (*USER_ERRORS, OSError) as exc:  # the turn could not be written (database locked, disk full)
-            failed = exc
-        except Exception as exc:  # noqa: BLE001 — a model step raised (out of GPU memory, say): the turn is lost
-            logging.getLogger(__name__).exception("a reply failed")
-            broken = exc
-        finally:
-            gen.close()  # if the browser went away mid-reply: the partial reply is kept and the turn closed
-            entry.busy = entry.stopping = False
-        if broken is not None:  # the session reopened at its last saved turn; the message back in the input
-            entry = self.manager.recover(key)
-            s = entry.session
-            note = (f"the reply failed ({type(broken).__name__}: {str(broken)[:200]}); the conversation was "
-                    f"reopened at its last saved turn, and your message is back in the input")
-            gr.Warning(note)
-            yield [chat_messages(s), text, self._charts(entry), self._head_map(entry), cache_view(s),
-                   self._conversations(entry), _error(note), self._info(key, entry)]
-            return
-        if failed is not None:
-            text = (f"the reply was not saved: {failed}. It stays in this tab and is saved with the next turn that "
-                    "can be")
-            gr.Warning(text)
-            yield [chat_messages(s), gr.skip(), self._charts(entry), self._head_map(entry), cache_view(s),
-                   gr.skip(), _error(text), self._info(key, entry)]
-            return
-        res = s.history[-1]
-        entry.rss_mb[res.turn] = memory_mb(s.model.device)[1]
-        speed = f", {1000 / res.decode_ms_per_token:.1f} tokens/s" if res.decode_ms_per_token else ""
-        status = (f"reply: {res.new_tokens} tokens{speed}, prompt {res.prompt_tokens} tokens in {res.prefill_ms:.0f} ms"
-                  f"; {res.evicted_tokens} evicted"
-                  + (f"; {note}" if (note := res.recall_note()) else "")
-                  + f"; stopped by {res.stopped}")
-        status = "; ".join([status] + res.warnings)
-        yield [chat_messages(s), gr.skip(), self._charts(entry), self._head_map(entry), cache_view(s),
-               self._conversations(entry), status, self._info(key, entry)]
-
-    def stop(self, request: gr.Request):
-        entry = self.manager.get(request.session_hash)
-        if entry is not None:
-            entry.stopping = entry.busy
-            entry.session.cancel()
-
-    def undo(self, request: gr.Request):
-        """chat, input, charts, head map, cache view, conversations, status, info."""
-        key = request.session_hash
-        try:
-            entry = self._idle(self._entry(key))
-            removed = entry.session.undo()
-        except USER_ERRORS as exc:
-            gr.Warning(str(exc))
-            return [gr.skip()] * 6 + [_error(str(exc)), gr.skip()]
-        entry.rss_mb = {t: v for t, v in entry.rss_mb.items() if t < entry.session.turn}
-        user = next((m["content"] for m in removed if m["role"] == "user"), "")
-        views = self._all(key, entry, "the last turn was taken back; the cache is as it was before it")
-        return [views[0], user] + views[1:]
-
-    def retry(self, request: gr.Request):
-        key = request.session_hash
-        try:
-            entry = self._idle(self._entry(key))
-            last = entry.session.history[-1] if entry.session.history else None
-            if last is None or last.role != "assistant" or not entry.session.can_undo:
-                raise ValueError("nothing to retry: the last turn of this tab is not a reply")
-            removed = entry.session.undo()
-        except USER_ERRORS as exc:
-            gr.Warning(str(exc))
-            yield [gr.skip()] * 6 + [_error(str(exc)), gr.skip()]
-            return
-        user = next((m["content"] for m in removed if m["role"] == "user"), None)
-        yield from self._stream(key, user)
 
     def apply_settings(self, request: gr.Request, *values, quiet: bool = False):
         """Settings widgets (cache settings, then policy parameters) -> the live session. Every value is parsed by

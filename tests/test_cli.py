@@ -3,6 +3,8 @@
 import io
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -284,6 +286,62 @@ def test_a_text_pasted_into_the_terminal_is_one_message(model_dir, tmp_path):
     (conv,) = Store(db).conversations()
     users = [m["text"] for m in Store(db).messages(conv["id"]) if m["role"] == "user"]
     assert users == ["Chapter 1\n\nIt was a dark night.\nThe end."]
+
+
+def test_ctrl_c_while_a_long_message_is_read_stops_the_read_and_chats_on(model_dir, tmp_path):
+    """Ctrl-C while the model still reads a long pasted message stops the read between two chunks (it went on to the
+    end, then gave a one-token reply): nothing of the message is kept or stored, and the chat goes on."""
+    db = tmp_path / "kv.db"
+    proc = subprocess.Popen([sys.executable, "-m", "kvchat.app.cli", "chat", "--model", str(model_dir), "--db", str(db),
+                             "--budget", "64", "--max-new-tokens", "3"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    try:
+        proc.stdin.write(("The red kite flies over the hill. " * 8000 + "\n").encode())  # ~64,000 tokens
+        proc.stdin.flush()
+        assert proc.stdout.read(10) == b"you> bot> "  # "bot> ": printed as the message's read begins
+        time.sleep(1.0)
+        os.kill(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(b"Hello there\n", timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert re.search(r"stopped while reading the message \([\d,]+ of its [\d,]+ tokens read\); nothing of it was kept",
+                     err.decode()), err.decode()[-2000:]
+    assert out.count(b"bot> ") == 1 and out.endswith(b"you> \n")  # the next message's reply, then the end
+    (conv,) = Store(db).conversations()
+    assert [m["text"] for m in Store(db).messages(conv["id"]) if m["role"] == "user"] == ["Hello there"]
+
+
+def test_a_terminal_shows_how_far_a_long_message_is_read(tiny, capsys, monkeypatch):
+    """On a terminal, while a long message is read before its reply, stderr says how far the read got, in one line
+    written over in place and wiped when the reply begins (the reply's prompt written again)."""
+    from kvchat.app.terminal import stream
+    from kvchat.core.engine.session import Sampling, Session
+    from kvchat.core.engine.settings import Settings
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    session = Session(tiny("llama"), Settings(policy="h2o", budget=96, window=8, slack=16),
+                      sampling=Sampling(max_new_tokens=3, temperature=0.0))
+
+    def slow(ids, *args, **kwargs):
+        time.sleep(0.04)
+        return type(session).forward(session, ids, *args, **kwargs)
+
+    monkeypatch.setattr(session, "forward", slow)
+    monkeypatch.setattr("sys.stderr", Terminal())
+    res = stream(session, session.reply("The red kite flies over the hill and the river. " * 60))  # ~40 forwards
+    shown = sys.stderr.getvalue()
+    read = [int(m.replace(",", "")) for m in re.findall(r"\r\033\[K\[reading your message: ([\d,]+) of [\d,]+ tokens; "
+                                                         r"Ctrl-C stops it\]", shown)]
+    assert len(read) >= 2 and read == sorted(read) and read[-1] > read[0], shown
+    assert shown.endswith("\r\033[K") and res.new_tokens > 0
+    assert capsys.readouterr().out.startswith("bot> ")  # written again where the line was, before the reply
+    monkeypatch.setattr("sys.stderr", io.StringIO())  # not a terminal: nothing shown
+    stream(session, session.reply("The red kite flies over the hill and the river. " * 60))
+    assert sys.stderr.getvalue() == ""
 
 
 def test_cache_flags_given_with_resume_change_the_stored_settings(model_dir, tmp_path, capsys, monkeypatch):

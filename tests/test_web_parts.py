@@ -4,6 +4,7 @@ view against the engine's own numbers."""
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -326,6 +327,38 @@ def test_a_reply_that_fails_midway_reopens_the_conversation_and_says_so(web, mon
     out = list(web.send("Tell me about the kite", request))[-1]
     assert "kv-error" not in (out[6] or "") and again.history[-1].new_tokens > 0
     assert len(web.manager.store.messages(again.conversation_id)) == len(stored) + 2
+
+
+def test_stop_while_a_long_message_is_read_gives_the_message_back(web, monkeypatch):
+    """Stop pressed while the model still reads a long message: the read stops between two chunks, the chat pane and
+    the stored conversation are as before it, the message is back in the input, and the tab chats on."""
+    request = _Request("a")
+    session = web.manager.entry("a").session
+    _chat(session, turns=2)
+    shown, stored = chat_messages(session), web.manager.store.messages(session.conversation_id)
+    reads = []
+
+    def pressed(ids, *args, **kwargs):  # a slow model; Stop pressed in the page during the message's 8th forward
+        reads.append(1)
+        time.sleep(0.2)
+        if len(reads) == 8:
+            web.stop(request)
+        return type(session).forward(session, ids, *args, **kwargs)
+
+    monkeypatch.setattr(session, "forward", pressed)
+    text = "The red kite flies over the hill and the river. " * 80  # ~800 tokens, read 6 at a time (the slack)
+    outs = list(web.send(text, request))
+    assert "stopped while reading the message" in outs[-1][6] and "back in the input" in outs[-1][6]
+    assert outs[-1][1] == text and outs[-1][0] == shown and len(reads) == 8
+    # Meanwhile the status said how far the read got.
+    progress = [re.search(r"reading your message: ([\d,]+) of ([\d,]+) tokens", out[6]) for out in outs
+                if isinstance(out[6], str)]
+    read = [int(m[1].replace(",", "")) for m in progress if m]
+    assert len(read) >= 2 and read == sorted(read) and read[-1] > read[0]
+    assert web.manager.store.messages(session.conversation_id) == stored and not web.manager.get("a").busy
+    monkeypatch.undo()
+    out = list(web.send("And the kite?", request))[-1]
+    assert "reply:" in out[6] and len(web.manager.store.messages(session.conversation_id)) == len(stored) + 2
 
 
 def _nbytes(tensors) -> int:

@@ -16,7 +16,7 @@ from .checkpoint import Checkpoint, ReadMark, TailMark
 from ..cache.observe import Observer
 from ..recall.score import QueryTap
 from .tokens import encode
-from .turns import TurnResult, stage
+from .turns import ReadStopped, TurnResult, stage
 
 
 class Feeding:
@@ -25,6 +25,8 @@ class Feeding:
     #: its part after its read mark while recall puts text back.
     unread = 0
     read_mark = None  # the mark a user message's first read left for recall (``_read``'s ``mark``)
+    stop_reads = False  # a reply's long message is read: ``cancel()`` stops the read between chunks (``ReadStopped``)
+    reading = None  # meanwhile, (tokens read, tokens to read) of the read in progress: what a UI shows of it
 
     def _encode(self, text: str) -> list[int]:
         return encode(self.model.tokenizer, text)
@@ -156,6 +158,10 @@ class Feeding:
         planned = 0
         short = self.model.step.short_feed if self.model.step is not None else 0  # core/decode: where it pays
         while i < total:
+            if self.stop_reads:
+                if i > start and self._cancel.is_set():
+                    raise ReadStopped(i, total)
+                self.reading = (i, total)
             if mark and (total - i <= mark or i + compress.chunk(self, total - i + more) >= total):
                 t = time.perf_counter()
                 self.read_mark = ReadMark.capture(self, total - i, more) or TailMark.capture(self)

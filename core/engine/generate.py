@@ -10,11 +10,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache.compress import MAX_CHUNK
+from .checkpoint import Checkpoint
 from .sampling import Sampler
 from .tokens import Detokenizer
-from .turns import TurnResult, stage
+from .turns import ReadStopped, TurnResult, stage
 
 CLOSING_RESERVE = 8  # positions kept free at a hard position limit for the tokens that close a reply
+STOPPABLE = MAX_CHUNK  # a user message longer than one forward can be stopped while it is read (``ReadStopped``)
 
 
 @dataclass
@@ -26,6 +29,7 @@ class Reply:
     header: str  # the template's generation prompt
     header_ids: list[int]
     user_ids: list[int]
+    undone: object = None  # the undo copy of the turn before (``Checkpoint``), kept again if the read is stopped
     user_idx: int = -1
     reply_idx: int = -1
     generated: list[int] = field(default_factory=list)
@@ -38,12 +42,25 @@ class Generation:
     other threads land between steps."""
 
     def _generate(self, reply: Reply, sampling) -> Generator[str, None, TurnResult]:
+        """The reply's generator. A ``cancel()`` from when it is made on stops it (one before is forgotten): a Stop
+        pressed as a message is sent stops its read, or the reply at its first token."""
+        self._cancel.clear()
+        return self._replying(reply, sampling)
+
+    def _replying(self, reply: Reply, sampling) -> Generator[str, None, TurnResult]:
         with self._lock:
+            before = self._stop_copy(reply)
             reply.user_idx = self.new_message("user", reply.history[-1]["content"])
             reply.reply_idx = self.new_message("assistant", "")
-            self._cancel.clear()
             fed = [(reply.user_ids, reply.user_idx), (reply.header_ids, reply.reply_idx)]
-            logits = self._prefill(reply.res, fed)[0]
+            self.stop_reads = before is not None
+            try:
+                logits = self._prefill(reply.res, fed)[0]
+            except ReadStopped:
+                self._take_back(before, reply)
+                raise
+            finally:
+                self.stop_reads, self.reading = False, None
             sample = Sampler(sampling, self.generator, self.log.column("token")[self.kept_positions()])
             self._streaming = reply.reply_idx
             picked = sample.pick(logits)
@@ -93,6 +110,21 @@ class Generation:
             raise
         with self._lock:
             return self._finish_reply(reply, stopped)
+
+    def _stop_copy(self, reply: Reply) -> Checkpoint | None:
+        """The session before a long user message is read (the turn's undo copy where one is kept), so that a stop
+        while it is read can put it back (``_take_back``); None for a message read in one forward (it cannot be
+        stopped part way, and a copy of the cache per turn would cost every short message)."""
+        if len(reply.user_ids) <= STOPPABLE:
+            return None
+        return self._undo if self.undo_enabled else Checkpoint.capture(self)
+
+    def _take_back(self, before: Checkpoint, reply: Reply) -> None:
+        """A read stopped: the session as it was before the message (nothing was written: a turn is stored when it
+        closes), the undo copy of the turn before kept again."""
+        before.restore(self)
+        self._undo = reply.undone if self.undo_enabled else None
+        self.recall_guard, self.recall_release, self.carry = self.recall_guard[:0], False, 0
 
     def _feed_ahead(self, picked: torch.Tensor) -> torch.Tensor | None:
         """Feed the token ``picked`` ([1], where the sampler left it) before the host knows it, through a decode step

@@ -33,10 +33,10 @@ from .reading import SessionReads
 from .settings import Sampling, Settings
 from .tokens import ROLES, TokenLog, check_text, encode_with_offsets
 from ...storage.db import now_iso
-from .turns import ContextFullError, TurnResult, stage
+from .turns import ContextFullError, ReadStopped, TurnResult, stage
 
-__all__ = ["CLOSING_RESERVE", "ROLES", "ContextFullError", "Sampling", "Session", "Settings", "TurnResult",
-           "check_text", "memory_mb", "peak_rss_mb", "rss_mb"]
+__all__ = ["CLOSING_RESERVE", "ROLES", "ContextFullError", "ReadStopped", "Sampling", "Session", "Settings",
+           "TurnResult", "check_text", "memory_mb", "peak_rss_mb", "rss_mb"]
 
 
 class Session(Feeding, Generation, SessionReads):
@@ -234,8 +234,7 @@ class Session(Feeding, Generation, SessionReads):
     @locked
     def exchange(self, user: str, assistant: str) -> TurnResult:
         """Append a user message and its assistant reply as given (importing or replaying a transcript)."""
-        user = check_text(user, "user message")
-        assistant = check_text(assistant, "assistant message")
+        user, assistant = check_text(user, "user message"), check_text(assistant, "assistant message")
         u = {"role": "user", "content": user}
         user_ids = self._encode(self.model.chat.segment(self.messages, u))
         reply_ids = self._encode(self.model.chat.segment(self.messages + [u],
@@ -284,16 +283,17 @@ class Session(Feeding, Generation, SessionReads):
         here, before anything is fed.
 
         The generator's return value (``StopIteration.value``; also ``self.history[-1]``) is the TurnResult.
-        ``cancel()`` or closing the generator stops the reply; what was generated is kept and committed.
+        ``cancel()`` or closing the generator stops the reply; what was generated is kept and committed. A
+        ``cancel()`` while a long message is read raises ``ReadStopped`` from it, the session as before the message.
         """
         sampling = self.sampling.changed(**sampling)
         user = check_text(user, "user message")
         u = {"role": "user", "content": user}
         user_ids = self._encode(self.model.chat.segment(self.messages, u))
         header = self.model.chat.generation_header(self.messages + [u])
-        header_ids = self._encode(header)
+        header_ids, undone = self._encode(header), self._undo  # undone: the undo copy of the turn before
         res = self._open_turn("assistant", len(user_ids) + len(header_ids) + CLOSING_RESERVE)
-        return self._generate(Reply(res, self.messages + [u], header, header_ids, user_ids), sampling)
+        return self._generate(Reply(res, self.messages + [u], header, header_ids, user_ids, undone), sampling)
 
     @locked
     def feed_raw(self, ids: list[int], score: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:

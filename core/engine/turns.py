@@ -33,6 +33,16 @@ class ContextFullError(ValueError):
     """The conversation cannot take more tokens without passing the model's position limit."""
 
 
+class ReadStopped(Exception):
+    """A reply was stopped (``Session.cancel``) while its user message was still being read: the session is back as
+    it was before the message, nothing of it kept or stored (the message is the caller's to offer again)."""
+
+    def __init__(self, read: int, total: int):
+        super().__init__(f"stopped while reading the message ({read:,} of its {total:,} tokens read); nothing of it "
+                         "was kept")
+        self.read, self.total = read, total
+
+
 @dataclass
 class TurnResult:
     turn: int

@@ -1,0 +1,79 @@
+"""Stopping a reply while its long message is still read: the session goes back to before the message, exactly, and
+nothing of it is stored; a short message's read is not stopped part way (the reply stops after its first token)."""
+
+import pytest
+
+from kvchat.core.engine.generate import STOPPABLE
+from kvchat.core.engine.session import ReadStopped, Sampling, Session
+from kvchat.core.engine.settings import Settings
+from kvchat.storage.db import Store
+from test_durability import assert_same_cache
+
+GREEDY = Sampling(max_new_tokens=8, temperature=0.0)
+BEFORE = ["Hello there. Tell me about the sea!", "And the mountains? Are they tall?"]
+LONG = " ".join(f"Fact {i}: the red box holds {i * 7} stones. It sits by door {i % 9}." for i in range(40))
+
+
+def _cancel_in_forward(session, n: int) -> None:
+    """The session cancelled from inside its ``n``-th model forward from now, as the Stop button does from another
+    thread while the model reads."""
+    real, count = session.forward, [0]
+
+    def forward(*args, **kwargs):
+        count[0] += 1
+        if count[0] == n:
+            session.cancel()
+        return real(*args, **kwargs)
+
+    session.forward = forward
+
+
+def _pair(model, settings, tmp_path, undo):
+    made = []
+    for name in ("stopped", "never"):
+        s = Session(model, settings, store=Store(tmp_path / f"{name}.db"), sampling=GREEDY, undo=undo)
+        for text in BEFORE:
+            s.chat(text)
+        made.append(s)
+    return made
+
+
+@pytest.mark.parametrize("policy, recall", [("streaming", "off"), ("h2o", "off"), ("snapkv", "on"), ("tova", "on"),
+                                            ("headaware", "off")])
+@pytest.mark.parametrize("undo", [True, False])
+def test_a_stopped_read_leaves_the_session_as_before_the_message(tiny, tmp_path, policy, recall, undo):
+    model = tiny("llama")
+    settings = Settings(policy=policy, budget=96, window=8, slack=16, groups="sentence", recall=recall)
+    stopped, never = _pair(model, settings, tmp_path, undo)
+    assert len(model.tokenizer(LONG)["input_ids"]) > STOPPABLE
+    history = list(stopped.history)
+    _cancel_in_forward(stopped, 3)  # read in chunks of the slack with compressions between: stopped part way
+    gen = stopped.reply(LONG)
+    with pytest.raises(ReadStopped) as info:
+        next(gen)
+    del stopped.forward
+    assert 0 < info.value.read < info.value.total
+    assert stopped.messages == never.messages and stopped.history == history
+    assert_same_cache(stopped, never)
+    # Nothing of it was stored: the stored conversation reopens as the session is.
+    assert_same_cache(Session.resume(model, stopped.store, stopped.conversation_id), never)
+    if undo:  # the turn before the stopped message can still be taken back
+        assert stopped.undo() == never.undo()
+        assert_same_cache(stopped, never)
+    # And the chat goes on as if the message had never been sent (recall, compressions and sampling included).
+    assert stopped.chat("Which do you like best?").answer == never.chat("Which do you like best?").answer
+    assert_same_cache(stopped, never)
+
+
+def test_a_read_is_stopped_between_chunks_only_for_a_long_message(tiny):
+    model = tiny("llama")
+    settings = Settings(policy="h2o", budget=96, window=8, slack=16)
+    session = Session(model, settings, sampling=Sampling(max_new_tokens=30, temperature=0.0))
+    short = " ".join(["word"] * 60)  # read in several chunks too, but each a few milliseconds: not stopped part way
+    _cancel_in_forward(session, 2)
+    res = session.chat(short)
+    assert res.stopped == "cancelled" and res.new_tokens == 1
+    # A Stop pressed when no reply streams does not stop the next one (the engine starts un-cancelled).
+    del session.forward
+    session.cancel()
+    assert session.chat(LONG).stopped != "cancelled"
