@@ -77,3 +77,30 @@ def test_a_read_is_stopped_between_chunks_only_for_a_long_message(tiny):
     del session.forward
     session.cancel()
     assert session.chat(LONG).stopped != "cancelled"
+
+
+@pytest.mark.parametrize("recall", ["off", "on"])
+def test_reading_says_how_far_the_long_message_is_read(tiny, recall):
+    """What a UI shows while a long message is read (``Session.reading``): the message's tokens read so far, rising
+    (where recall reads its last ``budget`` tokens again, from there), of one total (not the reply's header read after
+    it, apart, when recall runs between); None once it is read."""
+    model = tiny("llama")
+    session = Session(model, Settings(policy="h2o", budget=96, window=8, slack=16, recall=recall), sampling=GREEDY)
+    for text in BEFORE * 4:
+        session.chat(text)
+    seen, real = [], session.forward
+
+    def forward(*args, **kwargs):
+        seen.append(session.reading)
+        return real(*args, **kwargs)
+
+    session.forward = forward
+    session.chat(LONG)
+    del session.forward
+    shown = [r for r in seen if r is not None]
+    assert len(shown) > 10 and len({total for _, total in shown}) == 1 and shown[0][1] > STOPPABLE
+    read, total = [r for r, _ in shown], shown[0][1]
+    back = [j for j in range(1, len(read)) if read[j] < read[j - 1]]
+    assert session.reading is None and (back == [] if recall == "off" else len(back) <= 1)
+    # With recall a message may be read again where its last ``budget`` tokens start, once (core/engine/feeding.py).
+    assert all(read[j] >= total - 96 and read[j:] == sorted(read[j:]) for j in back)

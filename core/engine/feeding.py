@@ -161,7 +161,8 @@ class Feeding:
             if self.stop_reads:
                 if i > start and self._cancel.is_set():
                     raise ReadStopped(i, total)
-                self.reading = (i, total)
+                if total > compress.MAX_CHUNK:  # the message (not the reply's header after it, read apart by recall)
+                    self.reading = (i, total)
             if mark and (total - i <= mark or i + compress.chunk(self, total - i + more) >= total):
                 t = time.perf_counter()
                 self.read_mark = ReadMark.capture(self, total - i, more) or TailMark.capture(self)
