@@ -88,7 +88,7 @@ def _short_number(value: int) -> str:
     return text if len(text) <= 20 else f"{text[:8]}... ({len(text)} digits)"
 
 
-def _given(args) -> dict:
+def given_settings(args) -> dict:
     return {p.name: parse_setting(p, getattr(args, p.name)) for p in CACHE_SETTINGS
             if getattr(args, p.name) is not None}
 
@@ -111,7 +111,7 @@ def _params(args, policy: str) -> dict:
 def settings_from_args(args) -> Settings:
     """The cache settings given on the command line (each parsed by its declaration), defaults for the rest. With
     ``--resume`` the policy parameters are checked against the resumed conversation's policy (``resumed_changes``)."""
-    given = _given(args)
+    given = given_settings(args)
     if getattr(args, "resume", None) is not None and "policy" not in given:
         return Settings(**given)
     return Settings(params=_params(args, given.get("policy", Settings.policy)), **given)
@@ -121,7 +121,7 @@ def resumed_changes(args, settings: Settings) -> dict:
     """The cache flags given with ``--resume``, as changes to the resumed conversation's ``settings`` for
     ``Session.configure`` (as ``/policy`` and ``/set`` make them): its policy's parameters kept unless the policy
     changes, a given parameter checked against the policy it will apply to. Empty when none is given."""
-    changes = _given(args)
+    changes = given_settings(args)
     policy = changes.get("policy", settings.policy)
     params = _params(args, policy)
     if params or policy != settings.policy:
@@ -161,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="continue stored conversation ID with the script: its turns must be the script's first "
                              "ones; the rest is replayed on its restored cache with its stored cache settings, changed "
                              "by the cache flags given")
+    replay.add_argument("--compare", default=None, metavar="POLICY,...",
+                        help="replay the scripts under each policy listed (comma-separated; the cache flags apply to "
+                             "each, a policy's parameters to the policies that take them) and print them side by "
+                             "side: hits, cache, evictions, replies the same as the first policy's, speed; nothing is "
+                             "stored")
 
     serve = sub.add_parser("serve", help="the web UI (Gradio) on http://127.0.0.1:7860")
     _model_args(serve)
@@ -201,13 +206,14 @@ def db_path(arg: str | None) -> Path:
     return Path(arg).expanduser() if arg else kvchat_home() / "kvchat.db"
 
 
-def prepare(args, check_settings: bool = True):
+def prepare(args, check_settings: bool = True, cache_flags: bool = True):
     """What chat, replay and serve do first: check the cache and sampling flags (what can be checked before the
     model loads), load the model, then resolve the sampling settings against the model's own defaults and, with
-    ``check_settings``, check the cache settings against the model. Returns (settings, sampling, model)."""
-    settings = settings_from_args(args)
-    if check_settings:  # else a resumed conversation's: its own settings changed by the flags, checked when applied
-        settings.validate(max_positions=1 << 30)
+    ``check_settings``, check the cache settings against the model. Returns (settings, sampling, model); without
+    ``cache_flags`` the settings are the caller's to make (``replay --compare``: one per policy) and None here."""
+    settings = settings_from_args(args) if cache_flags else None
+    if check_settings and cache_flags:  # else a resumed conversation's: its settings changed by the flags, checked
+        settings.validate(max_positions=1 << 30)  # when applied
     given = sampling_from_args(args)
     Sampling().changed(**given)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
@@ -217,6 +223,6 @@ def prepare(args, check_settings: bool = True):
                        chat_template=args.chat_template, weights=args.weights,
                        decode=args.decode)
     sampling = Sampling.for_model(model, **given)
-    if check_settings:
+    if check_settings and cache_flags:
         settings.validate(model.max_positions, model.rotary_error)
     return settings, sampling, model

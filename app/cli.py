@@ -108,6 +108,11 @@ def cmd_replay(args) -> int:
     from .replay import TURN_FIELDS, Summary, load_scripts, run_step, stored_prefix
 
     scripts = [s for path in args.scripts for s in load_scripts(path)]
+    if args.compare is not None:
+        from . import compare
+
+        compared = compare.compared_settings(args)
+        return compare.run(args, scripts, compared, *prepare(args, cache_flags=False)[1:])
     if args.resume is not None and (len(scripts) != 1 or args.no_save):
         raise CLIError("--resume continues one stored conversation: give one script of one conversation, "
                        "without --no-save")

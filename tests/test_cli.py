@@ -312,6 +312,59 @@ def test_ctrl_c_while_a_long_message_is_read_stops_the_read_and_chats_on(model_d
     assert [m["text"] for m in Store(db).messages(conv["id"]) if m["role"] == "user"] == ["Hello there"]
 
 
+def test_replay_compare_runs_each_policy_side_by_side_and_stores_nothing(model_dir, tmp_path, capsys):
+    """``replay --compare``: every script under each policy with one model load; per-turn lines name the policy, and
+    the comparison says how many generated replies are the first policy's: all of them for a budget larger than the
+    chat (the full cache's greedy replies, exactly), fewer once the cache evicts, where it stays within its bound."""
+    script = _write(tmp_path / "s.jsonl", SCRIPT + [{"user": "And again?"}])
+    db = tmp_path / "kv.db"
+    run = ["replay", script, script, "--model", model_dir, "--max-new-tokens", 6, "--db", db, "--json",
+           "--recall", "off"]
+    code, out, err = _run(capsys, *run, "--compare", "full, streaming,h2o", "--budget", 400, "--heavy", 8)
+    assert code == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    turns, (last,) = lines[:-1], lines[-1:]
+    assert [t["policy"] for t in turns] == ["full"] * 10 + ["streaming"] * 10 + ["h2o"] * 10
+    rows = last["compare"]
+    assert [r["policy"] for r in rows] == ["full", "streaming", "h2o"] and rows[2]["params"]["heavy"] == 8
+    assert all(r["same_replies"] == r["replies_compared"] == r["replies"] == 6 and r["evicted_tokens"] == 0
+               for r in rows)
+    code, out, err = _run(capsys, *run, "--compare", "full,streaming", "--budget", 48, "--window", 8, "--slack", 6)
+    full, streaming = json.loads(out.splitlines()[-1])["compare"]
+    assert streaming["evicted_tokens"] > 0 and streaming["max_cache_tokens"] <= 54
+    assert streaming["replies_compared"] == 6 and streaming["same_replies"] < 6 and full["evicted_tokens"] == 0
+    assert not db.exists() or Store(db).conversations() == []
+    code, out, err = _run(capsys, *[a for a in run if a != "--json"], "--compare", "full,streaming", "--budget", 48)
+    assert code == 0 and re.search(r"^streaming +10 +\d/4 ", out, re.M) and "replies as full" in out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--compare", "streaming"), "--compare takes two or more different policies"),
+    (("--compare", "h2o,h2o"), "--compare takes two or more different policies"),
+    (("--compare", "full,nope"), "--compare: unknown policy 'nope'"),
+    (("--compare", "full,h2o", "--policy", "h2o"), "--compare names the policies; leave out --policy"),
+    (("--compare", "full,streaming", "--heavy", "8"), "--heavy applies to none of full, streaming"),
+    (("--compare", "full,streaming", "--budget", "3"), "--compare streaming: budget (3) must be at least sink"),
+    (("--compare", "full,streaming", "--resume", "1"), "--compare replays the scripts as new conversations"),
+])
+def test_replay_compare_refuses_bad_lists_in_one_line(model_dir, tmp_path, capsys, flags, message):
+    script = _write(tmp_path / "s.jsonl", SCRIPT)
+    code, out, err = _run(capsys, "replay", script, "--model", model_dir, "--db", tmp_path / "kv.db", *flags)
+    assert code == 2 and message in err and "loading" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_replay_compare_goes_on_past_a_policy_that_stops(model_dir, tmp_path, capsys):
+    """``full`` cannot pass the model's positions: its row says where it stopped; the other policy runs every
+    script to its end."""
+    long = [{"user": f"Turn {i}: " + "tell me more about it. " * 20} for i in range(12)]  # ~1,800 positions
+    script = _write(tmp_path / "long.jsonl", long)
+    code, out, err = _run(capsys, "replay", script, "--model", model_dir, "--max-new-tokens", 4, "--compare",
+                          "full,window", "--budget", 64)
+    assert code == 0, err
+    assert re.search(r"^full stopped at \S*long.jsonl, step \d+: this message needs \d+ more positions", out, re.M), out
+    assert re.search(r"^window +12 ", out, re.M) and "window stopped" not in out
+
+
 def test_a_terminal_shows_how_far_a_long_message_is_read(tiny, capsys, monkeypatch):
     """On a terminal, while a long message is read before its reply, stderr says how far the read got, in one line
     written over in place and wiped when the reply begins (the reply's prompt written again)."""
@@ -334,9 +387,10 @@ def test_a_terminal_shows_how_far_a_long_message_is_read(tiny, capsys, monkeypat
     monkeypatch.setattr("sys.stderr", Terminal())
     res = stream(session, session.reply("The red kite flies over the hill and the river. " * 60))  # ~40 forwards
     shown = sys.stderr.getvalue()
-    read = [int(m.replace(",", "")) for m in re.findall(r"\r\033\[K\[reading your message: ([\d,]+) of [\d,]+ tokens; "
-                                                         r"Ctrl-C stops it\]", shown)]
+    lines = re.findall(r"\r\033\[K\[reading your message: ([\d,]+) of ([\d,]+) tokens; Ctrl-C stops it\]", shown)
+    read = [int(m.replace(",", "")) for m, _ in lines]
     assert len(read) >= 2 and read == sorted(read) and read[-1] > read[0], shown
+    assert len({total for _, total in lines}) == 1, shown  # the message's tokens (not the reply's header after it)
     assert shown.endswith("\r\033[K") and res.new_tokens > 0
     assert capsys.readouterr().out.startswith("bot> ")  # written again where the line was, before the reply
     monkeypatch.setattr("sys.stderr", io.StringIO())  # not a terminal: nothing shown

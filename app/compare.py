@@ -1,0 +1,127 @@
+"""``kvchat replay --compare A,B,...``: the same scripts replayed under each policy listed, with one model load, and
+what each policy did side by side: expected answers hit, the probes' likelihood, the cache's largest size, what it
+evicted, how many generated replies are the first policy's (list ``full`` first to see how far each policy's chat
+strays from the full cache's), decode speed and wall time. Nothing is stored: each run is a new conversation, thrown
+away after it. A policy that cannot go on with a script (``full`` past the model's positions) says where it stopped
+and the others run on."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ..core.engine.session import Session
+from ..core.engine.settings import Settings
+from ..policies import POLICIES, declared_params, policy_class
+from .args import CLIError, given_settings, parse_setting
+from .replay import TURN_FIELDS, Summary, run_step
+
+
+def compared_settings(args) -> list[Settings]:
+    """The settings of each policy ``--compare`` lists: the cache flags given, and of the policy parameters given
+    those the policy takes. Checked before the model loads: CLIError for an unknown or repeated policy, a
+    parameter none of them takes, or a combination one of them cannot run."""
+    if args.resume is not None:
+        raise CLIError("--compare replays the scripts as new conversations; --resume continues a stored one")
+    if args.policy is not None:
+        raise CLIError("--compare names the policies; leave out --policy")
+    names = [name.strip() for name in args.compare.split(",") if name.strip()]
+    try:
+        policies = [policy_class(name).name for name in names]
+    except ValueError as exc:
+        raise CLIError(f"--compare: {exc}") from None
+    if len(policies) < 2 or len(set(policies)) != len(policies):
+        raise CLIError(f"--compare takes two or more different policies, comma-separated, got {args.compare!r}")
+    given = given_settings(args)
+    params = {}
+    for name, (p, _) in declared_params().items():
+        value = getattr(args, f"param_{name}", None)
+        if value is not None:
+            parse_setting(p, value)
+            params[name] = value
+    for name in params:
+        if not any(name in {p.name for p in POLICIES[policy].params} for policy in policies):
+            raise CLIError(f"--{name.replace('_', '-')} applies to none of {', '.join(policies)}")
+    out = []
+    for policy in policies:
+        taken = {p.name for p in POLICIES[policy].params}
+        settings = Settings(**given, policy=policy, params={k: v for k, v in params.items() if k in taken})
+        try:
+            settings.validate(max_positions=1 << 30)
+        except ValueError as exc:
+            raise CLIError(f"--compare {policy}: {exc}") from None
+        out.append(settings)
+    return out
+
+
+def run(args, scripts, all_settings: list[Settings], sampling, model) -> int:
+    """Replay every script under each settings in turn; per-turn lines with ``--json``, then the comparison."""
+    from tqdm import tqdm
+
+    for settings in all_settings:
+        try:
+            settings.validate(model.max_positions, model.rotary_error)
+        except ValueError as exc:
+            raise CLIError(f"--compare {settings.policy}: {exc}") from None
+    rows, answers = [], []
+    bar = tqdm(total=len(all_settings) * sum(len(s.steps) for s in scripts), disable=args.json, file=sys.stderr,
+               unit="turn")
+    try:
+        for settings in all_settings:
+            bar.set_description(settings.policy)
+            summary, replies, stopped, session = Summary(), {}, [], None
+            for si, script in enumerate(scripts):
+                session = Session(model, settings, system=script.system or "default", sampling=sampling,
+                                  seed=args.seed)
+                try:
+                    for i, step in enumerate(script.steps):
+                        try:
+                            res = run_step(session, step, {})
+                        except ValueError as exc:  # full past the model's positions, say: this script ends here
+                            stopped.append(f"{script.name}, step {i + 1}: {exc}")
+                            break
+                        summary.add(res)
+                        if step.kind == "reply":
+                            replies[(si, i)] = res.answer
+                        if args.json:
+                            print(json.dumps({"policy": settings.policy, "script": script.name,
+                                              **{k: getattr(res, k) for k in TURN_FIELDS}}), flush=True)
+                        bar.update(1)
+                finally:
+                    session.close()
+                summary.total_tokens += session.total_tokens
+            rows.append({**summary.as_dict(session), "replies": len(replies), "stopped": stopped,
+                         "decode_ms_per_token": _mean([r.decode_ms_per_token for r in summary.results])})
+            answers.append(replies)
+    finally:
+        bar.close()
+    for row, replies in zip(rows, answers):
+        both = replies.keys() & answers[0].keys()
+        row["same_replies_as"] = rows[0]["policy"]
+        row["same_replies"] = sum(1 for k in both if replies[k] == answers[0][k])
+        row["replies_compared"] = len(both)
+    print(json.dumps({"compare": rows}) if args.json else table(rows), flush=True)
+    return 0
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(sum(values) / len(values), 3) if values else None
+
+
+def table(rows: list[dict]) -> str:
+    """The comparison as a text table, a policy a row, then where any stopped."""
+    first = rows[0]["policy"]
+    head = (f"{'policy':10s} {'turns':>5s} {'hits':>7s} {'expect NLL':>10s} {'max cache':>9s} {'MiB':>6s} "
+            f"{'evicted':>8s} {'replies as ' + first:>16s} {'ms/token':>8s} {'wall s':>7s}")
+    lines = [head]
+    for i, r in enumerate(rows):
+        nll = f"{r['mean_expect_nll']:.3f}" if r["mean_expect_nll"] is not None else "-"
+        same = "-" if i == 0 or not r["replies_compared"] else f"{r['same_replies']}/{r['replies_compared']}"
+        ms = f"{r['decode_ms_per_token']:.1f}" if r["decode_ms_per_token"] is not None else "-"
+        lines.append(f"{r['policy']:10s} {r['turns']:5d} {r['hits']:>3d}/{r['expected']:<3d} {nll:>10s} "
+                     f"{r['max_cache_tokens']:9,d} {r['max_cache_bytes'] / 2**20:6.1f} {r['evicted_tokens']:8,d} "
+                     f"{same:>16s} {ms:>8s} {r['wall_s']:7.1f}")
+    for r in rows:
+        lines += [f"{r['policy']} stopped at {where}" for where in r["stopped"]]
+    return "\n".join(lines)
