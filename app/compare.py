@@ -79,8 +79,11 @@ def run(args, scripts, all_settings: list[Settings], sampling, model) -> int:
                             res = run_step(session, step, {})
                         except ValueError as exc:  # full past the model's positions, say: this script ends here
                             stopped.append(f"{script.name}, step {i + 1}: {exc}")
+                            bar.update(len(script.steps) - i)
                             break
                         summary.add(res)
+                        for w in res.warnings:
+                            tqdm.write(f"warning ({settings.policy}): {w}", file=sys.stderr)
                         if step.kind == "reply":
                             replies[(si, i)] = res.answer
                         if args.json:

@@ -355,12 +355,13 @@ def test_replay_compare_refuses_bad_lists_in_one_line(model_dir, tmp_path, capsy
 
 def test_replay_compare_goes_on_past_a_policy_that_stops(model_dir, tmp_path, capsys):
     """``full`` cannot pass the model's positions: its row says where it stopped; the other policy runs every
-    script to its end."""
+    script to its end, its turns' warnings shown."""
     long = [{"user": f"Turn {i}: " + "tell me more about it. " * 20} for i in range(12)]  # ~1,800 positions
     script = _write(tmp_path / "long.jsonl", long)
     code, out, err = _run(capsys, "replay", script, "--model", model_dir, "--max-new-tokens", 4, "--compare",
-                          "full,window", "--budget", 64)
+                          "full,window", "--budget", 64, "--positions", "original")
     assert code == 0, err
+    assert "warning (window): original positions now pass the model's 512 trained positions" in err
     assert re.search(r"^full stopped at \S*long.jsonl, step \d+: this message needs \d+ more positions", out, re.M), out
     assert re.search(r"^window +12 ", out, re.M) and "window stopped" not in out
 
