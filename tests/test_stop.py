@@ -2,6 +2,7 @@
 nothing of it is stored; a short message's read is not stopped part way (the reply stops after its first token)."""
 
 import pytest
+import torch
 
 from kvchat.core.engine.generate import STOPPABLE
 from kvchat.core.engine.session import ReadStopped, Sampling, Session
@@ -104,3 +105,30 @@ def test_reading_says_how_far_the_long_message_is_read(tiny, recall):
     assert session.reading is None and (back == [] if recall == "off" else len(back) <= 1)
     # With recall a message may be read again where its last ``budget`` tokens start, once (core/engine/feeding.py).
     assert all(read[j] >= total - 96 and read[j:] == sorted(read[j:]) for j in back)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")])])
+def test_a_stopped_read_leaves_the_graph_step_valid(tokenizer, device):
+    """Under the graph step (captured on a GPU), a stopped read puts the cache back into the same buffers: the step is
+    not captured again, and the chat goes on as the one never sent the message."""
+    from test_graph import _pair
+
+    _, graph = _pair("llama", tokenizer, device=device, dtype=torch.float32)
+    settings = Settings(policy="h2o", budget=96, window=8, slack=16)
+    sessions, answers = [], []
+    for stop in (True, False):
+        session = Session(graph, settings, sampling=GREEDY)
+        for text in BEFORE * 3:
+            session.chat(text)
+        captures = graph.step.captures
+        if stop:
+            _cancel_in_forward(session, 3)
+            with pytest.raises(ReadStopped):
+                session.chat(LONG)
+            del session.forward
+        answers.append(session.chat("Which do you like best?").answer)
+        assert graph.step.captures == captures and session.evicted_total > 0
+        sessions.append(session)
+    assert answers[0] == answers[1] and graph.step.replays > 0, (graph.step.captures, graph.step.replays)
+    assert_same_cache(*sessions)
