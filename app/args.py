@@ -163,11 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="continue stored conversation ID with the script: its turns must be the script's first "
                              "ones; the rest is replayed on its restored cache with its stored cache settings, changed "
                              "by the cache flags given")
-    replay.add_argument("--compare", default=None, metavar="POLICY,...",
-                        help="replay the scripts under each policy listed (comma-separated; the cache flags apply to "
-                             "each, a policy's parameters to the policies that take them) and print them side by "
-                             "side: hits, cache, evictions, replies the same as the first policy's, speed; nothing is "
-                             "stored")
+    replay.add_argument("--compare", default=None, metavar="POLICY[:BUDGET],...",
+                        help="replay the scripts under each policy listed (comma-separated, each at the budget given "
+                             "after it or --budget; the cache flags apply to each, a policy's parameters to the "
+                             "policies that take them) and print them side by side: hits, cache, evictions, replies "
+                             "the same as the first entry's, speed; nothing is stored")
 
     serve = sub.add_parser("serve", help="the web UI (Gradio) on http://127.0.0.1:7860")
     _model_args(serve)

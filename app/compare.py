@@ -11,64 +11,77 @@ import json
 import sys
 
 from ..core.engine.session import Session
-from ..core.engine.settings import Settings
+from ..core.engine.settings import CACHE_SETTINGS, Settings
 from ..policies import POLICIES, declared_params, policy_class
 from .args import CLIError, given_settings, parse_setting
 from .replay import TURN_FIELDS, Summary, run_step
 
+BUDGET = next(p for p in CACHE_SETTINGS if p.name == "budget")
 
-def compared_settings(args) -> list[Settings]:
-    """The settings of each policy ``--compare`` lists: the cache flags given, and of the policy parameters given
-    those the policy takes. Checked before the model loads: CLIError for an unknown or repeated policy, a
-    parameter none of them takes, or a combination one of them cannot run."""
+
+def compared_settings(args) -> list[tuple[str, Settings]]:
+    """(label, settings) for each entry ``--compare`` lists: a policy, or ``POLICY:BUDGET`` (one policy at several
+    budgets), with the cache flags given and of the policy parameters given those the policy takes. Checked before
+    the model loads: CLIError for an unknown policy or budget, an entry listed twice, a parameter none of them takes,
+    or a combination one of them cannot run."""
     if args.resume is not None:
         raise CLIError("--compare replays the scripts as new conversations; --resume continues a stored one")
     if args.policy is not None:
         raise CLIError("--compare names the policies; leave out --policy")
-    names = [name.strip() for name in args.compare.split(",") if name.strip()]
-    try:
-        policies = [policy_class(name).name for name in names]
-    except ValueError as exc:
-        raise CLIError(f"--compare: {exc}") from None
-    if len(policies) < 2 or len(set(policies)) != len(policies):
-        raise CLIError(f"--compare takes two or more different policies, comma-separated, got {args.compare!r}")
     given = given_settings(args)
+    entries = []
+    for item in filter(None, (item.strip() for item in args.compare.split(","))):
+        name, colon, budget = item.partition(":")
+        try:
+            policy = policy_class(name.strip()).name
+            if colon and not POLICIES[policy].bounded:
+                raise ValueError(f"{policy} keeps every token: it takes no budget")
+            budget = parse_setting(BUDGET, budget.strip()) if colon else given.get("budget", BUDGET.default)
+        except ValueError as exc:
+            raise CLIError(f"--compare {item}: {exc}") from None
+        entries.append((f"{policy}:{budget}" if colon else policy, policy, budget))
+    if len(entries) < 2 or len({(policy, budget) for _, policy, budget in entries}) != len(entries):
+        raise CLIError(f"--compare takes two or more different policies (or POLICY:BUDGET), comma-separated, got "
+                       f"{args.compare!r}")
     params = {}
     for name, (p, _) in declared_params().items():
         value = getattr(args, f"param_{name}", None)
         if value is not None:
             parse_setting(p, value)
             params[name] = value
+    policies = list(dict.fromkeys(policy for _, policy, _ in entries))
     for name in params:
         if not any(name in {p.name for p in POLICIES[policy].params} for policy in policies):
             raise CLIError(f"--{name.replace('_', '-')} applies to none of {', '.join(policies)}")
     out = []
-    for policy in policies:
+    for label, policy, budget in entries:
         taken = {p.name for p in POLICIES[policy].params}
-        settings = Settings(**given, policy=policy, params={k: v for k, v in params.items() if k in taken})
+        settings = Settings(**{**given, "budget": budget}, policy=policy,
+                            params={k: v for k, v in params.items() if k in taken})
         try:
             settings.validate(max_positions=1 << 30)
         except ValueError as exc:
-            raise CLIError(f"--compare {policy}: {exc}") from None
-        out.append(settings)
+            raise CLIError(f"--compare {label}: {exc}") from None
+        out.append((label, settings))
     return out
 
 
-def run(args, scripts, all_settings: list[Settings], sampling, model) -> int:
-    """Replay every script under each settings in turn; per-turn lines with ``--json``, then the comparison."""
+def run(args, scripts, compared: list[tuple[str, Settings]], sampling, model) -> int:
+    """Replay every script under each (label, settings) in turn; per-turn lines with ``--json``, then the
+    comparison."""
     from tqdm import tqdm
 
-    for settings in all_settings:
+    for label, settings in compared:
         try:
             settings.validate(model.max_positions, model.rotary_error)
         except ValueError as exc:
-            raise CLIError(f"--compare {settings.policy}: {exc}") from None
+            raise CLIError(f"--compare {label}: {exc}") from None
     rows, answers = [], []
-    bar = tqdm(total=len(all_settings) * sum(len(s.steps) for s in scripts), disable=args.json, file=sys.stderr,
+    bar = tqdm(total=len(compared) * sum(len(s.steps) for s in scripts), disable=args.json, file=sys.stderr,
                unit="turn")
     try:
-        for settings in all_settings:
-            bar.set_description(settings.policy)
+        for label, settings in compared:
+            bar.set_description(label)
             summary, replies, stopped, session = Summary(), {}, [], None
             for si, script in enumerate(scripts):
                 session = Session(model, settings, system=script.system or "default", sampling=sampling,
@@ -83,24 +96,24 @@ def run(args, scripts, all_settings: list[Settings], sampling, model) -> int:
                             break
                         summary.add(res)
                         for w in res.warnings:
-                            tqdm.write(f"warning ({settings.policy}): {w}", file=sys.stderr)
+                            tqdm.write(f"warning ({label}): {w}", file=sys.stderr)
                         if step.kind == "reply":
                             replies[(si, i)] = res.answer
                         if args.json:
-                            print(json.dumps({"policy": settings.policy, "script": script.name,
+                            print(json.dumps({"policy": settings.policy, "label": label, "script": script.name,
                                               **{k: getattr(res, k) for k in TURN_FIELDS}}), flush=True)
                         bar.update(1)
                 finally:
                     session.close()
                 summary.total_tokens += session.total_tokens
-            rows.append({**summary.as_dict(session), "replies": len(replies), "stopped": stopped,
+            rows.append({**summary.as_dict(session), "label": label, "replies": len(replies), "stopped": stopped,
                          "decode_ms_per_token": _mean([r.decode_ms_per_token for r in summary.results])})
             answers.append(replies)
     finally:
         bar.close()
     for row, replies in zip(rows, answers):
         both = replies.keys() & answers[0].keys()
-        row["same_replies_as"] = rows[0]["policy"]
+        row["same_replies_as"] = rows[0]["label"]
         row["same_replies"] = sum(1 for k in both if replies[k] == answers[0][k])
         row["replies_compared"] = len(both)
     print(json.dumps({"compare": rows}) if args.json else table(rows), flush=True)
@@ -113,18 +126,19 @@ def _mean(values) -> float | None:
 
 
 def table(rows: list[dict]) -> str:
-    """The comparison as a text table, a policy a row, then where any stopped."""
-    first = rows[0]["policy"]
-    head = (f"{'policy':10s} {'turns':>5s} {'hits':>7s} {'expect NLL':>10s} {'max cache':>9s} {'MiB':>6s} "
-            f"{'evicted':>8s} {'replies as ' + first:>16s} {'ms/token':>8s} {'wall s':>7s}")
+    """The comparison as a text table, a policy (or policy:budget) a row, then where any stopped."""
+    first, width = rows[0]["label"], max(10, *(len(r["label"]) for r in rows))
+    same_width = max(16, len("replies as " + first))
+    head = (f"{'policy':{width}s} {'turns':>5s} {'hits':>7s} {'expect NLL':>10s} {'max cache':>9s} {'MiB':>6s} "
+            f"{'evicted':>8s} {'replies as ' + first:>{same_width}s} {'ms/token':>8s} {'wall s':>7s}")
     lines = [head]
     for i, r in enumerate(rows):
         nll = f"{r['mean_expect_nll']:.3f}" if r["mean_expect_nll"] is not None else "-"
         same = "-" if i == 0 or not r["replies_compared"] else f"{r['same_replies']}/{r['replies_compared']}"
         ms = f"{r['decode_ms_per_token']:.1f}" if r["decode_ms_per_token"] is not None else "-"
-        lines.append(f"{r['policy']:10s} {r['turns']:5d} {r['hits']:>3d}/{r['expected']:<3d} {nll:>10s} "
+        lines.append(f"{r['label']:{width}s} {r['turns']:5d} {r['hits']:>3d}/{r['expected']:<3d} {nll:>10s} "
                      f"{r['max_cache_tokens']:9,d} {r['max_cache_bytes'] / 2**20:6.1f} {r['evicted_tokens']:8,d} "
-                     f"{same:>16s} {ms:>8s} {r['wall_s']:7.1f}")
+                     f"{same:>{same_width}s} {ms:>8s} {r['wall_s']:7.1f}")
     for r in rows:
-        lines += [f"{r['policy']} stopped at {where}" for where in r["stopped"]]
+        lines += [f"{r['label']} stopped at {where}" for where in r["stopped"]]
     return "\n".join(lines)

@@ -336,12 +336,22 @@ def test_replay_compare_runs_each_policy_side_by_side_and_stores_nothing(model_d
     assert not db.exists() or Store(db).conversations() == []
     code, out, err = _run(capsys, *[a for a in run if a != "--json"], "--compare", "full,streaming", "--budget", 48)
     assert code == 0 and re.search(r"^streaming +10 +\d/4 ", out, re.M) and "replies as full" in out
+    # One policy at several budgets: the largest keeps everything (the full cache's replies), the smallest evicts.
+    code, out, err = _run(capsys, *run, "--compare", "streaming:400,streaming:48,h2o:48", "--window", 8, "--slack", 6)
+    rows = json.loads(out.splitlines()[-1])["compare"]
+    assert [(r["label"], r["params"]["budget"]) for r in rows] == [("streaming:400", 400), ("streaming:48", 48),
+                                                                    ("h2o:48", 48)]
+    assert rows[0]["evicted_tokens"] == 0 and rows[1]["evicted_tokens"] > 0 and rows[1]["same_replies_as"] == \
+        "streaming:400" and rows[1]["same_replies"] == streaming["same_replies"]
 
 
 @pytest.mark.parametrize("flags, message", [
     (("--compare", "streaming"), "--compare takes two or more different policies"),
     (("--compare", "h2o,h2o"), "--compare takes two or more different policies"),
-    (("--compare", "full,nope"), "--compare: unknown policy 'nope'"),
+    (("--compare", "full,nope"), "--compare nope: unknown policy 'nope'"),
+    (("--compare", "h2o:48,h2o:48"), "--compare takes two or more different policies (or POLICY:BUDGET)"),
+    (("--compare", "h2o:64,h2o:lots"), "--compare h2o:lots: budget must be a whole number, got 'lots'"),
+    (("--compare", "full:512,h2o"), "--compare full:512: full keeps every token: it takes no budget"),
     (("--compare", "full,h2o", "--policy", "h2o"), "--compare names the policies; leave out --policy"),
     (("--compare", "full,streaming", "--heavy", "8"), "--heavy applies to none of full, streaming"),
     (("--compare", "full,streaming", "--budget", "3"), "--compare streaming: budget (3) must be at least sink"),
