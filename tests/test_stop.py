@@ -132,3 +132,36 @@ def test_a_stopped_read_leaves_the_graph_step_valid(tokenizer, device):
         sessions.append(session)
     assert answers[0] == answers[1] and graph.step.replays > 0, (graph.step.captures, graph.step.replays)
     assert_same_cache(*sessions)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv"])
+def test_a_read_stopped_while_recall_reads_the_message_again(tiny, tmp_path, monkeypatch, policy):
+    """Stopped after recall put text back and while it reads the message's last tokens again: the session is as
+    before the message all the same (what recall brought back, its guard and staged keys included)."""
+    from kvchat.core.recall import choose
+
+    model = tiny("llama")
+    settings = Settings(policy=policy, budget=96, window=8, slack=16, recall="on")
+    sessions = []
+    for name in ("stopped", "never"):
+        s = Session(model, settings, store=Store(tmp_path / f"{name}.db"), sampling=GREEDY)
+        for text in BEFORE * 4:
+            s.chat(text)
+        sessions.append(s)
+    stopped, never = sessions
+    assert stopped.digests.count > 0
+    real, brought = choose.bring_back, []
+
+    def bring_back(session, *args, **kwargs):  # Stop pressed as recall puts its text back
+        brought.append(session.cancel())
+        return real(session, *args, **kwargs)
+
+    monkeypatch.setattr(choose, "bring_back", bring_back)
+    with pytest.raises(ReadStopped):
+        stopped.chat(LONG)
+    monkeypatch.undo()
+    assert brought and stopped.messages == never.messages
+    assert_same_cache(stopped, never)
+    assert stopped.chat("Which do you like best?").answer == never.chat("Which do you like best?").answer
+    assert_same_cache(stopped, never)
+    assert_same_cache(Session.resume(model, stopped.store, stopped.conversation_id), never)
