@@ -4,7 +4,7 @@ nothing of it is stored; a short message's read is not stopped part way (the rep
 import pytest
 import torch
 
-from kvchat.core.engine.generate import STOPPABLE
+from kvchat.core.engine.feeding import STOPPABLE
 from kvchat.core.engine.session import ReadStopped, Sampling, Session
 from kvchat.core.engine.settings import Settings
 from kvchat.storage.db import Store
@@ -165,3 +165,23 @@ def test_a_read_stopped_while_recall_reads_the_message_again(tiny, tmp_path, mon
     assert stopped.chat("Which do you like best?").answer == never.chat("Which do you like best?").answer
     assert_same_cache(stopped, never)
     assert_same_cache(Session.resume(model, stopped.store, stopped.conversation_id), never)
+
+
+def test_a_settings_change_as_the_message_is_sent_stays_when_its_read_is_stopped(tiny, tmp_path):
+    """A live change between the message's send and its read (the settings panel, from another thread) is stored at
+    once; a stop of the read puts the session back as before the message, with the change: the undo copy it goes
+    back to predates the change, which is applied again (as ``undo`` does)."""
+    model = tiny("llama")
+    settings = Settings(policy="h2o", budget=96, window=8, slack=16, recall="off")
+    stopped, never = _pair(model, settings, tmp_path, undo=True)
+    gen = stopped.reply(LONG)
+    stopped.configure(budget=48)
+    never.configure(budget=48)
+    _cancel_in_forward(stopped, 3)
+    with pytest.raises(ReadStopped):
+        next(gen)
+    del stopped.forward
+    assert stopped.settings == never.settings and stopped.settings.budget == 48
+    assert_same_cache(stopped, never)
+    assert_same_cache(Session.resume(model, stopped.store, stopped.conversation_id), never)
+    assert stopped.chat("Which do you like best?").answer == never.chat("Which do you like best?").answer

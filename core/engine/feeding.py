@@ -18,6 +18,7 @@ from ..recall.score import QueryTap
 from .tokens import encode
 from .turns import ReadStopped, TurnResult, stage
 
+STOPPABLE = compress.MAX_CHUNK  # a user message longer than one forward can be stopped while it is read
 
 class Feeding:
     #: Tokens at the token log's end not read into the cache yet while a compression runs (the policy sees the
@@ -161,7 +162,7 @@ class Feeding:
             if self.stop_reads:
                 if i > start and self._cancel.is_set():
                     raise ReadStopped(i, total)
-                if total > compress.MAX_CHUNK:  # the message (not the reply's header after it, read apart by recall)
+                if total > STOPPABLE:  # the message's read (not the reply's header after it, read apart by recall)
                     self.reading = (i, total)
             if mark and (total - i <= mark or i + compress.chunk(self, total - i + more) >= total):
                 t = time.perf_counter()

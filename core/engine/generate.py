@@ -10,14 +10,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.compress import MAX_CHUNK
 from .checkpoint import Checkpoint
+from .feeding import STOPPABLE
 from .sampling import Sampler
 from .tokens import Detokenizer
 from .turns import ReadStopped, TurnResult, stage
 
 CLOSING_RESERVE = 8  # positions kept free at a hard position limit for the tokens that close a reply
-STOPPABLE = MAX_CHUNK  # a user message longer than one forward can be stopped while it is read (``ReadStopped``)
 
 
 @dataclass
@@ -121,8 +120,12 @@ class Generation:
 
     def _take_back(self, before: Checkpoint, reply: Reply) -> None:
         """A read stopped: the session as it was before the message (nothing was written: a turn is stored when it
-        closes), the undo copy of the turn before kept again."""
+        closes), the undo copy of the turn before kept again. A live settings change since the copy (the undo copy
+        is taken as ``reply`` opens the turn, and the change is stored at once) stays, as ``undo`` keeps it."""
+        current = self.settings
         before.restore(self)
+        if current != self.settings:
+            self._apply_settings(current)
         self._undo = reply.undone if self.undo_enabled else None
         self.recall_guard, self.recall_release, self.carry = self.recall_guard[:0], False, 0
 
