@@ -95,18 +95,25 @@ def given_settings(args) -> dict:
             if getattr(args, p.name) is not None}
 
 
+def given_params(args) -> dict:
+    """The policy parameters given on the command line, each checked by its declaration (a huge int; the policy
+    parses it again), whichever policy takes them."""
+    params = {}
+    for name, (p, _) in declared_params().items():
+        value = getattr(args, f"param_{name}", None)
+        if value is not None:
+            parse_setting(p, value)
+            params[name] = value
+    return params
+
+
 def _params(args, policy: str) -> dict:
     """The policy parameters given on the command line, each one ``policy`` must take (CLIError otherwise)."""
     cls_params = {p.name for p in POLICIES[policy].params} if policy in POLICIES else set()
-    params = {}
-    for name in declared_params():
-        value = getattr(args, f"param_{name}", None)
-        if value is None:
-            continue
+    params = given_params(args)
+    for name in params:
         if name not in cls_params:
             raise CLIError(f"--{name.replace('_', '-')} does not apply to policy {policy}")
-        parse_setting(declared_params()[name][0], value)  # checked here (a huge int); the policy parses it again
-        params[name] = value
     return params
 
 
@@ -208,14 +215,22 @@ def db_path(arg: str | None) -> Path:
     return Path(arg).expanduser() if arg else kvchat_home() / "kvchat.db"
 
 
-def prepare(args, check_settings: bool = True, cache_flags: bool = True):
+def prepare(args, check_settings: bool = True):
     """What chat, replay and serve do first: check the cache and sampling flags (what can be checked before the
-    model loads), load the model, then resolve the sampling settings against the model's own defaults and, with
-    ``check_settings``, check the cache settings against the model. Returns (settings, sampling, model); without
-    ``cache_flags`` the settings are the caller's to make (``replay --compare``: one per policy) and None here."""
-    settings = settings_from_args(args) if cache_flags else None
-    if check_settings and cache_flags:  # else a resumed conversation's: its settings changed by the flags, checked
-        settings.validate(max_positions=1 << 30)  # when applied
+    model loads), load the model (``load``) and, with ``check_settings``, check the cache settings against it.
+    Returns (settings, sampling, model)."""
+    settings = settings_from_args(args)
+    if check_settings:  # else a resumed conversation's: its own settings changed by the flags, checked when applied
+        settings.validate(max_positions=1 << 30)
+    sampling, model = load(args)
+    if check_settings:
+        settings.validate(model.max_positions, model.rotary_error)
+    return settings, sampling, model
+
+
+def load(args):
+    """Check the sampling flags, load the model, and resolve the sampling settings against the model's own
+    defaults. Returns (sampling, model)."""
     given = sampling_from_args(args)
     Sampling().changed(**given)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
@@ -224,7 +239,4 @@ def prepare(args, check_settings: bool = True, cache_flags: bool = True):
     model = load_model(args.model, device=args.device, dtype=args.dtype, device_map=args.device_map,
                        chat_template=args.chat_template, weights=args.weights,
                        decode=args.decode)
-    sampling = Sampling.for_model(model, **given)
-    if check_settings and cache_flags:
-        settings.validate(model.max_positions, model.rotary_error)
-    return settings, sampling, model
+    return Sampling.for_model(model, **given), model

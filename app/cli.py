@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS
 from ..policies import POLICIES, Param
-from .args import CLIError, build_parser, db_path, prepare, resumed_changes
+from .args import CLIError, build_parser, db_path, load, prepare, resumed_changes
 
 EXIT_USAGE = 2
 
@@ -112,7 +112,7 @@ def cmd_replay(args) -> int:
         from . import compare
 
         compared = compare.compared_settings(args)
-        return compare.run(args, scripts, compared, *prepare(args, cache_flags=False)[1:])
+        return compare.run(args, scripts, compared, *load(args))
     if args.resume is not None and (len(scripts) != 1 or args.no_save):
         raise CLIError("--resume continues one stored conversation: give one script of one conversation, "
                        "without --no-save")

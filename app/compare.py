@@ -12,8 +12,8 @@ import sys
 
 from ..core.engine.session import Session
 from ..core.engine.settings import CACHE_SETTINGS, Settings
-from ..policies import POLICIES, declared_params, policy_class
-from .args import CLIError, given_settings, parse_setting
+from ..policies import POLICIES, policy_class
+from .args import CLIError, given_params, given_settings, parse_setting
 from .replay import TURN_FIELDS, Summary, run_step
 
 BUDGET = next(p for p in CACHE_SETTINGS if p.name == "budget")
@@ -43,12 +43,7 @@ def compared_settings(args) -> list[tuple[str, Settings]]:
     if len(entries) < 2 or len({(policy, budget) for _, policy, budget in entries}) != len(entries):
         raise CLIError(f"--compare takes two or more different policies (or POLICY:BUDGET), comma-separated, got "
                        f"{args.compare!r}")
-    params = {}
-    for name, (p, _) in declared_params().items():
-        value = getattr(args, f"param_{name}", None)
-        if value is not None:
-            parse_setting(p, value)
-            params[name] = value
+    params = given_params(args)
     policies = list(dict.fromkeys(policy for _, policy, _ in entries))
     for name in params:
         if not any(name in {p.name for p in POLICIES[policy].params} for policy in policies):
@@ -106,7 +101,9 @@ def run(args, scripts, compared: list[tuple[str, Settings]], sampling, model) ->
                 finally:
                     session.close()
                 summary.total_tokens += session.total_tokens
-            rows.append({**summary.as_dict(session), "label": label, "replies": len(replies), "stopped": stopped,
+            totals = summary.as_dict(session)
+            del totals["peak_rss_mb"]  # the process's so far, not this entry's
+            rows.append({**totals, "label": label, "replies": len(replies), "stopped": stopped,
                          "decode_ms_per_token": _mean([r.decode_ms_per_token for r in summary.results])})
             answers.append(replies)
     finally:

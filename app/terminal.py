@@ -16,16 +16,18 @@ from .args import CLIError, db_path, parse_setting, prepare, resumed_changes
 
 class Reading:
     """While a long message is read before its reply, a line on a terminal's stderr that says how far the read got
-    (``session.reading``, every ``every`` seconds), wiped when the reply begins (``done``)."""
+    (``session.reading``, every ``EVERY_S``), wiped when the reply begins (``done``)."""
 
-    def __init__(self, session, out=None, every: float = 0.5):
-        self.session, self.out, self.every = session, out or sys.stderr, every
+    EVERY_S = 0.5
+
+    def __init__(self, session):
+        self.session, self.out = session, sys.stderr
         self._done, self._shown = threading.Event(), False
         self._thread = threading.Thread(target=self._run, name="kvchat-reading", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._done.wait(self.every):
+        while not self._done.wait(self.EVERY_S):
             if (reading := self.session.reading) is not None:
                 self.out.write(f"\r\033[K[reading your message: {reading[0]:,} of {reading[1]:,} tokens; Ctrl-C "
                                "stops it]")
