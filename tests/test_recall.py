@@ -326,13 +326,14 @@ def test_recall_needs_nothing_that_is_not_evicted(tiny, tmp_path):
 
 
 def test_a_message_of_template_scaffolding_alone_recalls_nothing(tiny, tmp_path):
-    """A user message that is all template scaffolding (typed as "<|im_start|>": the tokenizer makes it the special
-    token) leaves recall no query to score with: the turn goes on without recalling (it raised in the scoring's
-    reshape), and a message with content after it recalls as before."""
+    """A user message that is all template scaffolding (the word "user", the one the template's header holds; a
+    typed "<|im_start|>" was the special token until messages were read as plain text) leaves recall no query to
+    score with: the turn goes on without recalling (it raised in the scoring's reshape), and a message with content
+    after it recalls as before."""
     session = Session(tiny("llama"), _settings(), store=Store(tmp_path / "r.db"), sampling=GREEDY)
     _chat(session)
     assert session.digests.count > 0 and session.evicted_total > 0
-    res = session.chat("<|im_start|>")
+    res = session.chat("user")
     assert res.recalled_tokens == 0 and res.new_tokens > 0
     assert session.chat(TURNS[0][0]).recalled_tokens > 0
 

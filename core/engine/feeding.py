@@ -15,7 +15,7 @@ from ..recall import gate
 from .checkpoint import Checkpoint, ReadMark, TailMark
 from ..cache.observe import Observer
 from ..recall.score import QueryTap
-from .tokens import encode
+from .tokens import encode, encode_parts
 from .turns import ReadStopped, TurnResult, stage
 
 STOPPABLE = compress.MAX_CHUNK  # a user message longer than one forward can be stopped while it is read
@@ -31,6 +31,10 @@ class Feeding:
 
     def _encode(self, text: str) -> list[int]:
         return encode(self.model.tokenizer, text)
+
+    def _segment_ids(self, history: list[dict], message: dict) -> list[int]:
+        """The token ids appending ``message`` to ``history`` adds, its content read as plain text."""
+        return encode_parts(self.model.tokenizer, self.model.chat.segment_parts(history, message))
 
     @property
     def recalling(self) -> bool:

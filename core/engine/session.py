@@ -31,7 +31,7 @@ from ..cache.positions import convert_positions
 from .procinfo import memory_mb, peak_rss_mb, rss_mb  # noqa: F401  (part of the engine's public surface)
 from .reading import SessionReads
 from .settings import Sampling, Settings
-from .tokens import ROLES, TokenLog, check_text, encode_with_offsets
+from .tokens import ROLES, TokenLog, check_text, encode_parts
 from ...storage.db import now_iso
 from .turns import ContextFullError, ReadStopped, TurnResult, stage
 
@@ -221,7 +221,7 @@ class Session(Feeding, Generation, SessionReads):
         text = check_text(text, f"{role} message")
         if role == "system" and self.messages:
             raise ValueError("a system message can only open a conversation")
-        ids = self._encode(self.model.chat.segment(self.messages, {"role": role, "content": text}))
+        ids = self._segment_ids(self.messages, {"role": role, "content": text})
         res = self._open_turn(role, len(ids))
         idx = self.new_message(role, text)
         self._prefill(res, [(ids, idx)])
@@ -236,9 +236,8 @@ class Session(Feeding, Generation, SessionReads):
         """Append a user message and its assistant reply as given (importing or replaying a transcript)."""
         user, assistant = check_text(user, "user message"), check_text(assistant, "assistant message")
         u = {"role": "user", "content": user}
-        user_ids = self._encode(self.model.chat.segment(self.messages, u))
-        reply_ids = self._encode(self.model.chat.segment(self.messages + [u],
-                                                         {"role": "assistant", "content": assistant}))
+        user_ids = self._segment_ids(self.messages, u)
+        reply_ids = self._segment_ids(self.messages + [u], {"role": "assistant", "content": assistant})
         res = self._open_turn("assistant", len(user_ids) + len(reply_ids))
         user_idx, reply_idx = self.new_message("user", user), self.new_message("assistant", assistant)
         self._prefill(res, [(user_ids, user_idx), (reply_ids, reply_idx)])
@@ -257,13 +256,14 @@ class Session(Feeding, Generation, SessionReads):
             raise ValueError(f"expect text {expect!r} does not occur in the reference answer")
         chat = self.model.chat
         u = {"role": "user", "content": user}
-        user_ids = self._encode(chat.segment(self.messages, u))
+        user_ids = self._segment_ids(self.messages, u)
         header = chat.generation_header(self.messages + [u])
-        seg = chat.segment(self.messages + [u], {"role": "assistant", "content": reference})
+        parts = chat.segment_parts(self.messages + [u], {"role": "assistant", "content": reference})
+        seg = "".join(text for text, _ in parts)
         ref_start = seg.find(reference, len(header) if seg.startswith(header) else 0)
         if ref_start < 0:
             raise ValueError("the chat template altered the reference answer; cannot locate the expected text")
-        reply_ids, offsets = encode_with_offsets(self.model.tokenizer, seg)
+        reply_ids, offsets = encode_parts(self.model.tokenizer, parts, offsets=True)
         lo, hi = ref_start + at, ref_start + at + len(expect)
         cover = [j for j, (a, b) in enumerate(offsets) if b > lo and a < hi]
         res = self._open_turn("assistant", len(user_ids) + len(reply_ids))
@@ -289,7 +289,7 @@ class Session(Feeding, Generation, SessionReads):
         sampling = self.sampling.changed(**sampling)
         user = check_text(user, "user message")
         u = {"role": "user", "content": user}
-        user_ids = self._encode(self.model.chat.segment(self.messages, u))
+        user_ids = self._segment_ids(self.messages, u)
         header = self.model.chat.generation_header(self.messages + [u])
         header_ids, undone = self._encode(header), self._undo  # undone: the undo copy of the turn before
         res = self._open_turn("assistant", len(user_ids) + len(header_ids) + CLOSING_RESERVE)

@@ -32,18 +32,36 @@ def check_text(text: Any, what: str = "message") -> str:
     return text
 
 
-def encode(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+def encode(tokenizer, text: str, plain: bool = False) -> list[int]:
+    """Token ids of ``text``; ``plain``: special tokens' text read as characters (a message's content)."""
+    if not text:
+        return []
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=plain)["input_ids"]
 
 
-def encode_with_offsets(tokenizer, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+def encode_with_offsets(tokenizer, text: str, plain: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
     """Token ids and the (start, end) character span of each."""
     if getattr(tokenizer, "is_fast", False):
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=plain)
         return enc["input_ids"], [tuple(o) for o in enc["offset_mapping"]]
-    ids = encode(tokenizer, text)
+    ids = encode(tokenizer, text, plain)
     ends = [len(tokenizer.decode(ids[: j + 1])) for j in range(len(ids))]
     return ids, list(zip([0] + ends[:-1], ends))
+
+
+def encode_parts(tokenizer, parts: list[tuple[str, bool]], offsets: bool = False):
+    """Token ids of a segment's (text, plain) parts (``ChatFormat.segment_parts``), each part read on its own; with
+    ``offsets``, (ids, each token's (start, end) in the parts' joined text)."""
+    ids, spans, at = [], [], 0
+    for text, plain in parts:
+        if offsets:
+            part_ids, part_spans = encode_with_offsets(tokenizer, text, plain) if text else ([], [])
+            spans += [(a + at, b + at) for a, b in part_spans]
+        else:
+            part_ids = encode(tokenizer, text, plain)
+        ids += part_ids
+        at += len(text)
+    return (ids, spans) if offsets else ids
 
 
 _PIECES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> {token id: its text alone}

@@ -30,6 +30,8 @@ class ChatFormat:
         self.default_system = self._detect_default_system()
         self.closing = self._detect_closing()
         self._user_wrap: tuple[list[int], list[int]] | None = None
+        added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+        self._specials = sorted({t.content for t in added if getattr(t, "special", False) and t.content})
 
     @classmethod
     def for_model(cls, tokenizer, model_type: str, template: str | None = None) -> "ChatFormat":
@@ -71,6 +73,20 @@ class ChatFormat:
         """The text that appending ``message`` to ``history`` adds (for an assistant message: header included)."""
         ctx = self._context(history)
         return self._diff(ctx, ctx + [message])
+
+    def segment_parts(self, history: list[dict], message: dict) -> list[tuple[str, bool]]:
+        """``segment(history, message)`` as (text, plain) parts: the template's own text, read with its special
+        tokens, and the message's content, read as plain text (``plain``), so that a message quoting "<|im_end|>"
+        or "<|endoftext|>" reads as those characters and ends neither itself nor the text (as llama.cpp reads typed
+        text unless told otherwise). One part, read as the template's, where the content holds no special token's
+        text, or where the template renders it inside text of its own."""
+        seg = self.segment(history, message)
+        if any(s in message["content"] for s in self._specials):
+            head, found, tail = self.segment(history, {**message, "content": _S1}).partition(_S1)
+            if found and _S1 not in tail and seg.startswith(head) and seg.endswith(tail) \
+                    and len(seg) >= len(head) + len(tail):
+                return [(head, False), (seg[len(head):len(seg) - len(tail)], True), (tail, False)]
+        return [(seg, False)]
 
     def generation_header(self, history: list[dict]) -> str:
         """The text that opens an assistant reply after ``history`` (the generation prompt)."""
