@@ -105,7 +105,7 @@ def cmd_replay(args) -> int:
 
     from ..core.engine.session import Session
     from ..storage.db import Store
-    from .replay import TURN_FIELDS, Summary, load_scripts, run_step, stored_prefix
+    from .replay import Summary, load_scripts, run_step, stored_prefix, turn_line
 
     scripts = [s for path in args.scripts for s in load_scripts(path)]
     if args.compare is not None:
@@ -148,8 +148,7 @@ def cmd_replay(args) -> int:
                 for w in res.warnings:
                     tqdm.write(f"warning: {w}", file=sys.stderr)
                 if args.json:
-                    print(json.dumps({"script": script.name, **{k: getattr(res, k) for k in TURN_FIELDS}}),
-                          flush=True)
+                    print(json.dumps(turn_line(script, res)), flush=True)
                 else:
                     tqdm.write(_fmt_row(si, res), file=sys.stderr)
                     bar.update(1)

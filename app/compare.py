@@ -11,12 +11,11 @@ import json
 import sys
 
 from ..core.engine.session import Session
-from ..core.engine.settings import CACHE_SETTINGS, Settings
+from ..core.engine.settings import SETTINGS, Settings
 from ..policies import POLICIES, policy_class
 from .args import CLIError, given_params, given_settings, parse_setting
-from .replay import TURN_FIELDS, Summary, run_step
+from .replay import Summary, run_step, turn_line
 
-BUDGET = next(p for p in CACHE_SETTINGS if p.name == "budget")
 
 
 def compared_settings(args) -> list[tuple[str, Settings]]:
@@ -36,7 +35,8 @@ def compared_settings(args) -> list[tuple[str, Settings]]:
             policy = policy_class(name.strip()).name
             if colon and not POLICIES[policy].bounded:
                 raise ValueError(f"{policy} keeps every token: it takes no budget")
-            budget = parse_setting(BUDGET, budget.strip()) if colon else given.get("budget", BUDGET.default)
+            budget = parse_setting(SETTINGS["budget"], budget.strip()) if colon \
+                else given.get("budget", SETTINGS["budget"].default)
         except ValueError as exc:
             raise CLIError(f"--compare {item}: {exc}") from None
         entries.append((f"{policy}:{budget}" if colon else policy, policy, budget))
@@ -95,8 +95,8 @@ def run(args, scripts, compared: list[tuple[str, Settings]], sampling, model) ->
                         if step.kind == "reply":
                             replies[(si, i)] = res.answer
                         if args.json:
-                            print(json.dumps({"policy": settings.policy, "label": label, "script": script.name,
-                                              **{k: getattr(res, k) for k in TURN_FIELDS}}), flush=True)
+                            print(json.dumps(turn_line(script, res, policy=settings.policy, label=label)),
+                                  flush=True)
                         bar.update(1)
                 finally:
                     session.close()

@@ -260,6 +260,11 @@ TURN_FIELDS = ("turn", "role", "prompt_tokens", "new_tokens", "cache_tokens", "c
                "recall_declined")
 
 
+def turn_line(script: Script, res: TurnResult, **first) -> dict:
+    """A turn's line of ``--json`` output: ``first`` (``--compare``'s policy and label), the script, the turn."""
+    return {**first, "script": script.name, **{k: getattr(res, k) for k in TURN_FIELDS}}
+
+
 class Summary:
     """Totals over turns (one script, or all of them)."""
 

@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS
+from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS, SETTINGS
 from ..core.engine.turns import ReadStopped, TurnResult
 from ..policies import POLICIES, declared_params
 from .args import CLIError, db_path, parse_setting, prepare, resumed_changes
@@ -116,9 +116,6 @@ def read_message(read) -> str:
     return line
 
 
-SETTABLE = {p.name: p for p in (*CACHE_SETTINGS, *SAMPLING_SETTINGS)}
-
-
 def _set(session, pairs: list[str]) -> dict:
     """``/set key=value ...``: every value parsed first, then the cache settings (``configure``, which checks the
     combination) and the sampling settings applied; ValueError and nothing applied on any bad value."""
@@ -127,12 +124,12 @@ def _set(session, pairs: list[str]) -> dict:
         if "=" not in kv:
             raise CLIError(f"/set takes key=value, got {kv!r}")
         k, v = kv.split("=", 1)
-        if k not in SETTABLE:
+        if k not in SETTINGS:
             owners = declared_params().get(k, (None, []))[1]
             hint = (f"; a parameter of {', '.join(owners)}: /policy {owners[0]} {k}=VALUE" if owners
                     else " (/help lists the settings)")
             raise CLIError(f"/set cannot change {k!r}{hint}")
-        p = SETTABLE[k]
+        p = SETTINGS[k]
         (cache if p in CACHE_SETTINGS else sampling)[k] = parse_setting(p, v)
     new_sampling = session.sampling.changed(**sampling)
     applied = session.configure(**cache) if cache else {}

@@ -65,27 +65,26 @@ SAMPLING_SETTINGS: tuple[Param, ...] = (
     Param("no_repeat_ngram_size", int, 0, "never repeat an n-gram of this size from what the model can see "
           "(0 = off)", min=0, max=64),
 )
-_CACHE = {p.name: p for p in CACHE_SETTINGS}
-_SAMPLING = {p.name: p for p in SAMPLING_SETTINGS}
+SETTINGS = {p.name: p for p in (*CACHE_SETTINGS, *SAMPLING_SETTINGS)}  # every setting by name
 
 
 @dataclass(frozen=True)
 class Settings:
-    policy: str = _CACHE["policy"].default
+    policy: str = SETTINGS["policy"].default
     params: dict = field(default_factory=dict)  # the policy's own parameters (declared by its class)
-    budget: int = _CACHE["budget"].default
-    sink: int = _CACHE["sink"].default
-    window: int | None = _CACHE["window"].default  # None: derived (budget // 4)
-    slack: int | None = _CACHE["slack"].default  # None: derived (max(64, budget/8))
-    groups: str = _CACHE["groups"].default
-    positions: str = _CACHE["positions"].default
-    aggregate: str = _CACHE["aggregate"].default
-    recall: str = _CACHE["recall"].default
-    recall_groups: int = _CACHE["recall_groups"].default
-    recall_tokens: int | None = _CACHE["recall_tokens"].default  # None: derived (budget // 4)
-    recall_threshold: float = _CACHE["recall_threshold"].default
-    recall_rerank: int | None = _CACHE["recall_rerank"].default  # None: derived (16 on a GPU, 0 on a CPU)
-    archive_mb: float = _CACHE["archive_mb"].default
+    budget: int = SETTINGS["budget"].default
+    sink: int = SETTINGS["sink"].default
+    window: int | None = SETTINGS["window"].default  # None: derived (budget // 4)
+    slack: int | None = SETTINGS["slack"].default  # None: derived (max(64, budget/8))
+    groups: str = SETTINGS["groups"].default
+    positions: str = SETTINGS["positions"].default
+    aggregate: str = SETTINGS["aggregate"].default
+    recall: str = SETTINGS["recall"].default
+    recall_groups: int = SETTINGS["recall_groups"].default
+    recall_tokens: int | None = SETTINGS["recall_tokens"].default  # None: derived (budget // 4)
+    recall_threshold: float = SETTINGS["recall_threshold"].default
+    recall_rerank: int | None = SETTINGS["recall_rerank"].default  # None: derived (16 on a GPU, 0 on a CPU)
+    archive_mb: float = SETTINGS["archive_mb"].default
 
     # -- derived ----------------------------------------------------------------------------------------------
     @property
@@ -156,13 +155,13 @@ class Settings:
 class Sampling:
     """How a reply is generated; every field is declared in ``SAMPLING_SETTINGS``."""
 
-    max_new_tokens: int = _SAMPLING["max_new_tokens"].default
-    temperature: float = _SAMPLING["temperature"].default
-    top_p: float = _SAMPLING["top_p"].default
-    top_k: int = _SAMPLING["top_k"].default
-    min_p: float = _SAMPLING["min_p"].default
-    repetition_penalty: float = _SAMPLING["repetition_penalty"].default
-    no_repeat_ngram_size: int = _SAMPLING["no_repeat_ngram_size"].default
+    max_new_tokens: int = SETTINGS["max_new_tokens"].default
+    temperature: float = SETTINGS["temperature"].default
+    top_p: float = SETTINGS["top_p"].default
+    top_k: int = SETTINGS["top_k"].default
+    min_p: float = SETTINGS["min_p"].default
+    repetition_penalty: float = SETTINGS["repetition_penalty"].default
+    no_repeat_ngram_size: int = SETTINGS["no_repeat_ngram_size"].default
 
     @classmethod
     def for_model(cls, model, **overrides: Any) -> "Sampling":
@@ -181,7 +180,7 @@ class Sampling:
 
     def changed(self, **changes: Any) -> "Sampling":
         """A validated copy with the given (non-None) changes applied."""
-        unknown = set(changes) - set(_SAMPLING)
+        unknown = set(changes) - {p.name for p in SAMPLING_SETTINGS}
         if unknown:
             raise ValueError(f"unknown sampling setting {', '.join(sorted(unknown))}")
         return replace(self, **{k: v for k, v in changes.items() if v is not None}).validate()
