@@ -17,7 +17,6 @@ from .args import CLIError, given_params, given_settings, parse_setting
 from .replay import Summary, run_step, turn_line
 
 
-
 def compared_settings(args) -> list[tuple[str, Settings]]:
     """(label, settings) for each entry ``--compare`` lists: a policy, or ``POLICY:BUDGET`` (one policy at several
     budgets), with the cache flags given and of the policy parameters given those the policy takes. Checked before
