@@ -26,6 +26,7 @@ CSS = """
 .kv-cacheview .kv-evicted { color: #a0a0a0; background: #f1f1f1; text-decoration: line-through; }
 .kv-cacheview .kv-partial { background: #fff3c4; }
 .kv-cacheview .kv-recalled { background: #c9f2d0; outline: 1px dashed #2ca02c; }
+.kv-cacheview .kv-mark { color: #7b52ab; font-size: 0.85em; }
 .kv-cacheview .kv-summary { font-family: ui-sans-serif, sans-serif; font-size: 13px; }
 """
 

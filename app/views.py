@@ -231,6 +231,9 @@ def cache_view(session: Session) -> str:
              + (f"; {recalled:,} of them recalled." if recalled else ".")
              + (f" Showing the last {VIEW_TOKENS:,}." if start else "") + "</p>"]
     cls = {3: "kv-recalled", 2: "kv-kept", 1: "kv-partial", 0: "kv-evicted"}
+    # the template's own special tokens, drawn apart from the same characters typed in a message
+    marks = {i for i, t in getattr(tok, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
+    mark = [t in marks for t in tokens]
     i, open_msg = start, None
     while i < n:
         if message[i] != open_msg:
@@ -240,11 +243,13 @@ def cache_view(session: Session) -> str:
             r = role[i]
             parts.append(f'<div class="kv-msg kv-{r}"><span class="kv-role">{r}</span>')
         j = i
-        while j < n and message[j] == open_msg and levels[j] == levels[i]:
+        while j < n and message[j] == open_msg and levels[j] == levels[i] and mark[j] == mark[i]:
             j += 1
         text = tok.decode(tokens[i:j], skip_special_tokens=False)
         title = ' title="recalled from the archive"' if levels[i] == 3 else ""
-        parts.append(f'<span class="{cls[levels[i]]}"{title}>{html.escape(text)}</span>')
+        kind = cls[levels[i]] + (" kv-mark" if mark[i] else "")
+        title = title or (' title="the chat template\'s special token"' if mark[i] else "")
+        parts.append(f'<span class="{kind}"{title}>{html.escape(text)}</span>')
         i = j
     parts.append("</div>")
     return '<div class="kv-cacheview">' + "".join(parts) + "</div>"

@@ -96,6 +96,11 @@ def test_cache_view_greys_exactly_what_no_head_holds(manager):
     assert "kv-evicted" in html and "&lt;script&gt;" not in html
     s.exchange("<script>alert(1)</script>", "ok")
     assert "<script>alert" not in cache_view(s) and "&lt;script&gt;" in cache_view(s)
+    s.exchange("What does <|im_end|> mean?", "It ends a message.")  # typed: text, not the template's marker
+    last = cache_view(s).rsplit('<div class="kv-msg kv-user">', 1)[1].split("</div>")[0]
+    marked = re.findall(r'<span class="[a-z-]+ kv-mark"[^>]*>([^<]*)</span>', last)
+    assert marked == ["&lt;|im_start|&gt;", "&lt;|im_end|&gt;"], last  # the header's and the end's markers alone
+    assert "What does &lt;|im_end|&gt; mean?" in re.sub(r"<[^>]+>", "", last)
 
 
 def test_chat_messages_carry_token_counts(manager):
