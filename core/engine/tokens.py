@@ -32,17 +32,22 @@ def check_text(text: Any, what: str = "message") -> str:
     return text
 
 
+def _plain(plain: bool) -> dict:
+    """The tokenizer's keyword for reading special tokens' text as characters, passed only where asked for."""
+    return {"split_special_tokens": True} if plain else {}
+
+
 def encode(tokenizer, text: str, plain: bool = False) -> list[int]:
     """Token ids of ``text``; ``plain``: special tokens' text read as characters (a message's content)."""
     if not text:
         return []
-    return tokenizer(text, add_special_tokens=False, split_special_tokens=plain)["input_ids"]
+    return tokenizer(text, add_special_tokens=False, **_plain(plain))["input_ids"]
 
 
 def encode_with_offsets(tokenizer, text: str, plain: bool = False) -> tuple[list[int], list[tuple[int, int]]]:
     """Token ids and the (start, end) character span of each."""
     if getattr(tokenizer, "is_fast", False):
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, split_special_tokens=plain)
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True, **_plain(plain))
         return enc["input_ids"], [tuple(o) for o in enc["offset_mapping"]]
     ids = encode(tokenizer, text, plain)
     ends = [len(tokenizer.decode(ids[: j + 1])) for j in range(len(ids))]
