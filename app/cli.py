@@ -61,8 +61,8 @@ def cmd_conversations(args) -> int:
             print("no conversations")
         for r in rows:
             s = r["settings"] or {}
-            print(f"{r['id']:5d}  {r['updated_at'][:19]}  {r['messages']:4d} msgs {r['total_tokens']:7d} tok  "
-                  f"{s.get('policy', '?'):10s} {r['title']}")
+            print(f"{r['id']:5d}  {r['updated_at'][:19]}  {r['messages']:4d} msgs {r['total_tokens']:7d} tok "
+                  f"{r['disk_bytes'] / 2**20:7.1f} MB  {s.get('policy', '?'):10s} {r['title']}")
         return 0
     if args.id is None:
         raise CLIError(f"conversations {args.action} needs a conversation id")

@@ -56,8 +56,8 @@ class WebApp(Layout, Chatting):
         out = []
         for c in self.manager.store.conversations():
             when = (c["updated_at"] or "")[:16].replace("T", " ")
-            label = (f"#{c['id']} {c['title']} · {c['total_tokens']:,} tokens · {c['settings'].get('policy', '?')} · "
-                     f"{when}")
+            label = (f"#{c['id']} {c['title']} · {c['total_tokens']:,} tokens, {c['disk_bytes'] / 2**20:.1f} MB on "
+                     f"disk · {c['settings'].get('policy', '?')} · {when}")
             out.append((label, c["id"]))
         return out
 

@@ -20,6 +20,7 @@ from typing import Any
 import sqlite_utils
 
 from . import holding
+from .files import tree_size
 
 
 def now_iso() -> str:
@@ -204,7 +205,7 @@ class Store:
         return holding.held(folder, f"conversation {row['id']}")
 
     def archive_folder(self, name: str) -> Path:
-        """Where the archive (every token's KV, storage/archive.py) and cache state of a conversation live."""
+        """The folder a conversation keeps beside the database: its cache's rows, state file and recall's digests."""
         return self.path.parent / "archive" / name
 
     @guarded
@@ -233,9 +234,12 @@ class Store:
     @guarded
     def conversations(self) -> list[dict]:
         sql = """SELECT c.id, c.title, c.model, c.settings, c.total_tokens, c.next_turn, c.created_at, c.updated_at,
-                        (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS messages
+                        c.archive, (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS messages
                  FROM conversations c ORDER BY c.updated_at DESC"""
-        return [_load(r) for r in self.db.query(sql)]
+        rows = [_load(r) for r in self.db.query(sql)]
+        for r in rows:  # what each keeps beside the database: its cache's rows, state file and recall's digests
+            r["disk_bytes"] = tree_size(self.archive_folder(r["archive"])) if r.get("archive") else 0
+        return rows
 
     def _rows(self, table: str, conversation_id: int, order: str) -> list[dict]:
         sql = f"SELECT * FROM {table} WHERE conversation_id = ? ORDER BY {order}"

@@ -27,3 +27,8 @@ def fsync_file(path: Path) -> None:
 def size(path: Path) -> int:
     """Bytes of a file, 0 when there is none."""
     return path.stat().st_size if path.is_file() else 0
+
+
+def tree_size(folder: Path) -> int:
+    """Bytes of the files in a folder and below it, 0 when there is none."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0

@@ -150,7 +150,12 @@ def test_conversations_list_show_export(model_dir, tmp_path, capsys):
          "--db", db, "--json")
     code, out, _ = _run(capsys, "conversations", "list", "--db", db)
     assert code == 0 and "s.jsonl" in out
-    cid = Store(db).conversations()[0]["id"]
+    (conv,) = Store(db).conversations()
+    cid, folder = conv["id"], Store(db).archive_folder(conv["archive"])
+    on_disk = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())  # rows, state file, digests
+    assert conv["disk_bytes"] == on_disk > 0 and f"{on_disk / 2**20:7.1f} MB" in out
+    code, out, _ = _run(capsys, "conversations", "list", "--db", db, "--json")
+    assert [r["disk_bytes"] for r in json.loads(out)] == [on_disk]
     code, out, _ = _run(capsys, "conversations", "show", cid, "--db", db)
     assert "[user] My name is Alice." in out
     code, _, _ = _run(capsys, "conversations", "export", cid, "--db", db, "-o", tmp_path / "x.jsonl")

@@ -34,6 +34,7 @@ import torch
 
 from ...storage import holding, statefile
 from ...storage.db import now_iso
+from ...storage.files import tree_size
 from ...storage.kvrows import RowFile
 from ..cache import slab
 from ..recall.digest import Digests
@@ -64,9 +65,7 @@ class Files:
 
     def nbytes(self) -> int:
         """Bytes on disk: rows, state files and digests."""
-        if not self.folder.is_dir():
-            return 0
-        return sum(p.stat().st_size for p in self.folder.rglob("*") if p.is_file())
+        return tree_size(self.folder)
 
     def hold(self, what: str) -> None:
         """Hold the conversation's folder for this process (storage/holding.py): ValueError if another has it open."""
