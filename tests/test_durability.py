@@ -274,6 +274,63 @@ def test_a_live_settings_change_between_turns_reopens_exactly(tiny, tmp_path, si
     assert reopened.configure(budget=96) == live.configure(budget=96)
 
 
+@pytest.mark.parametrize("change", [dict(budget=40), dict(positions="original")])
+def test_a_crash_between_a_live_changes_state_file_and_its_row_reopens_exactly(tiny, tmp_path, change,
+                                                                              monkeypatch):
+    """A live change writes the cache it left (state file), then its row in SQLite; a crash between the two reopens
+    the cache exactly under the settings the change made (the state file carries them; they reopened under the
+    settings before it, and a change of positions from the tokens, approximately), and the next turn stores them."""
+    model = tiny("llama")
+    live = Session(model, Settings(policy="streaming", budget=64, window=8, slack=8), store=Store(tmp_path / "a.db"),
+                   sampling=GREEDY)
+    for user, reply in TURNS[:3]:
+        live.exchange(user, reply)
+
+    def crash(*args, **kwargs):
+        raise KeyboardInterrupt("the process dies here")
+
+    monkeypatch.setattr(Store, "record_settings", crash)
+    with pytest.raises(KeyboardInterrupt):
+        live.configure(**change)
+    monkeypatch.undo()
+    reopened = Session.resume(model, Store(tmp_path / "a.db"), live.conversation_id, sampling=GREEDY)
+    assert reopened.restored_from == "archive" and reopened.settings == live.settings
+    assert_same_cache(reopened, live)
+    assert reopened.chat("Go on.").answer == live.chat("Go on.").answer
+    store = Store(tmp_path / "a.db")
+    assert Settings.from_dict(store.conversation(live.conversation_id)["settings"]) == live.settings
+    assert [c["changes"] for c in store.settings_changes(live.conversation_id)] == [change]
+
+
+@pytest.mark.parametrize("completed", [False, True])
+def test_a_live_change_while_a_reply_streams_is_stored_with_its_turn(tiny, tmp_path, completed):
+    """The settings panel changes the budget while a reply streams: the change is stored with the turn when it
+    completes. A crash before that reopens the last completed turn exactly, under the settings before the change
+    (the change wrote the committed turn's state file with the half turn's cache at once, and the conversation
+    reopened from its tokens, approximately)."""
+    model = tiny("llama")
+    settings = Settings(policy="streaming", budget=64, window=8, slack=8)
+    live = Session(model, settings, store=Store(tmp_path / "a.db"), sampling=GREEDY)
+    for user, reply in TURNS[:3]:
+        live.exchange(user, reply)
+    twin = Session.resume(model, Store(tmp_path / "a.db"), live.conversation_id, sampling=GREEDY)
+    gen = live.reply("Tell me more about the rivers of the north, please.")
+    next(gen)
+    live.configure(budget=40)  # between two reply tokens, from the settings panel's thread
+    if completed:
+        for _ in gen:
+            pass
+    reopened = Session.resume(model, Store(tmp_path / "a.db"), live.conversation_id, sampling=GREEDY)
+    assert reopened.restored_from == "archive"
+    changes = Store(tmp_path / "a.db").settings_changes(live.conversation_id)
+    if completed:
+        assert reopened.settings == live.settings and [c["changes"] for c in changes] == [{"budget": 40}]
+        assert_same_cache(reopened, live)
+    else:  # the crash: the half turn and the change with it are gone, the turn before is as it was
+        assert reopened.settings == settings and changes == []
+        assert_same_cache(reopened, twin)
+
+
 def test_a_session_that_stored_nothing_leaves_no_files(tiny, tmp_path):
     store = Store(tmp_path / "kv.db")
     session = Session(tiny("llama"), Settings(budget=64, window=8), store=store, system="Be brief.")

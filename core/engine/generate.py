@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import persist
 from .checkpoint import Checkpoint
 from .feeding import STOPPABLE
 from .sampling import Sampler
@@ -121,11 +122,15 @@ class Generation:
     def _take_back(self, before: Checkpoint, reply: Reply) -> None:
         """A read stopped: the session as it was before the message (nothing was written: a turn is stored when it
         closes), the undo copy of the turn before kept again. A live settings change since the copy (the undo copy
-        is taken as ``reply`` opens the turn, and the change is stored at once) stays, as ``undo`` keeps it."""
-        current = self.settings
+        is taken as ``reply`` opens the turn; the change waits for the turn's commit) stays, as ``undo`` keeps it,
+        and is written now."""
+        current, deferred = self.settings, self.pending_settings[len(before.pending_settings):]
         before.restore(self)
+        self.turn_open = False
         if current != self.settings:
             self._apply_settings(current)
+        for record in deferred:  # held for the turn's commit, which will not come: written now
+            persist.record_settings(self, record)
         self._undo = reply.undone if self.undo_enabled else None
         self.recall_guard, self.recall_release, self.carry = self.recall_guard[:0], False, 0
 

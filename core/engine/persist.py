@@ -162,7 +162,7 @@ def write_state(session) -> Path:
     meta = {"format": FORMAT, "turn": str(session.turn), "total_tokens": str(session.log.n),
             "positions": session.settings.positions, "policy": session.settings.policy,
             "policy_state": json.dumps(session.policy.get_state()), "evicted_total": str(session.evictions.total),
-            "digests": json.dumps(window)}
+            "digests": json.dumps(window), "settings": json.dumps(asdict(session.settings))}
     return statefile.write(files.folder, session.turn, tensors, meta)
 
 
@@ -230,8 +230,10 @@ def undo(session, created_conversation: bool) -> None:
 
 def record_settings(session, record: dict) -> None:
     """A live settings change: written now if the conversation exists (with the cache state it left: a smaller
-    budget compresses at once), else with its first turn."""
-    if session.store is not None and session.conversation_id is not None:
+    budget compresses at once), else with its first turn; one made while a turn is open (the settings panel while a
+    reply streams) is written with that turn, so that the committed turn's state file is never overwritten by a
+    cache holding part of a turn (a crash then reopened the conversation from its tokens, not exactly)."""
+    if session.store is not None and session.conversation_id is not None and not session.turn_open:
         write_state(session)
         session.store.record_settings(session.conversation_id, record, asdict(session.settings))
         committed(session)

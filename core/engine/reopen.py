@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ...storage import statefile
+from ...storage.db import now_iso
 from ...storage.legacy import LegacyArchive
 from ..recall.digest import Digests
 from ..cache import compress
@@ -37,9 +38,14 @@ def resume(cls, model, store, conversation_id: int, exact: bool = True, sampling
         raise ValueError(f"conversation {conversation_id} was held by model {conv['model']}, not {model.name}")
     settings = Settings.from_dict(conv["settings"])
     folder = store.archive_folder(conv["archive"]) if conv.get("archive") else None
-    session = cls(model, settings, system=None, store=store, sampling=sampling, seed=conv["seed"] or 0,
+    later = _later_settings(folder, conv["next_turn"], settings) if exact else None
+    session = cls(model, later or settings, system=None, store=store, sampling=sampling, seed=conv["seed"] or 0,
                   title=conv["title"], undo=undo, folder=folder)
     session.conversation_id = conversation_id
+    if later is not None:  # written with the next commit, as a change made before a conversation exists is
+        changes = {k: v for k, v in later.as_dict().items() if settings.as_dict().get(k) != v}
+        session.pending_settings.append({"turn": conv["next_turn"], "changes": changes,
+                                         "settings": later.as_dict(), "created_at": now_iso()})
     try:
         if folder is not None and folder.is_dir():  # another process with it open would write under us (a missing
             session.files.hold(f"conversation {conversation_id}")  # folder is made, and held, by the next commit)
@@ -48,6 +54,18 @@ def resume(cls, model, store, conversation_id: int, exact: bool = True, sampling
     except BaseException:
         session.close()  # the conversation given back at once
         raise
+
+
+def _later_settings(folder, turn: int, stored: Settings) -> Settings | None:
+    """The settings the committed turn's state file was written under where they differ from the database's: a live
+    change writes its state file, then its row, and a crash between the two left the cache as the change made it.
+    The state file is the later word (under the database's settings the cache would be read under settings it was
+    not made with, or, for a change of positions, not at all)."""
+    meta = statefile.metadata(folder, turn) if folder is not None and folder.is_dir() else None
+    if not meta or not meta.get("settings"):
+        return None
+    written = Settings.from_dict(json.loads(meta["settings"]))
+    return written if written != stored else None
 
 
 def _read(session, store, conv: dict, folder, exact: bool):

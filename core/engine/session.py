@@ -75,7 +75,8 @@ class Session(Feeding, Generation, SessionReads):
         self.observer = self.make_observer(self.policy)
         self.undo_enabled = undo
         self.pending: list[dict] = []  # turn records not yet written (the system turn waits for the first exchange)
-        self.pending_settings: list[dict] = []
+        self.pending_settings: list[dict] = []  # live settings changes not yet written (``persist.record_settings``)
+        self.turn_open = False  # a turn is read or generated: the cache holds more than the committed turn
         self.warned: set[str] = set()
         self.last_logits: torch.Tensor | None = None
         self.restored_from: str | None = None
@@ -84,7 +85,7 @@ class Session(Feeding, Generation, SessionReads):
         self._undo: Checkpoint | None = None
         persist.open_digests(self)
         self._streaming: int | None = None  # the index of the reply being generated, while it is
-        self._warnings: list[str] = []
+        self._warnings: list[str] = []  # the open turn's
         if system == "default":
             system = model.chat.default_system
         if system is not None:
@@ -280,12 +281,10 @@ class Session(Feeding, Generation, SessionReads):
         """Add a user message and generate the reply; returns a generator yielding text as it is decoded.
 
         ``sampling``: settings of ``Sampling`` that apply to this reply only (None values ignored). Bad input raises
-        here, before anything is fed.
-
-        The generator's return value (``StopIteration.value``; also ``self.history[-1]``) is the TurnResult.
-        ``cancel()`` or closing the generator stops the reply; what was generated is kept and committed. A
-        ``cancel()`` while a long message is read raises ``ReadStopped`` from it, the session as before the message.
-        """
+        here, before anything is fed. The generator's return value (``StopIteration.value``; also
+        ``self.history[-1]``) is the TurnResult. ``cancel()`` or closing the generator stops the reply; what was
+        generated is kept and committed. A ``cancel()`` while a long message is read raises ``ReadStopped`` from it,
+        the session as before the message."""
         sampling = self.sampling.changed(**sampling)
         user = check_text(user, "user message")
         u = {"role": "user", "content": user}
@@ -334,6 +333,7 @@ class Session(Feeding, Generation, SessionReads):
         self._check_fits(needed)
         if role != "system" and self.undo_enabled:
             self._undo = Checkpoint.capture(self)
+        self.turn_open = True
         return TurnResult(turn=self.turn, role=role)
 
     def _close_turn(self, res: TurnResult, messages: list[tuple[int, list[int]]]) -> TurnResult:
@@ -349,7 +349,7 @@ class Session(Feeding, Generation, SessionReads):
         res.archive_bytes = self.archive_bytes
         self.history.append(res)
         record = persist.turn_record(self, res, messages)
-        self.turn += 1
+        self.turn, self.turn_open = self.turn + 1, False
         with stage("kvchat.commit"):
             persist.commit(self, record)
         res.disk_bytes = record["stats"].get("disk_bytes")
