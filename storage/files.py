@@ -30,5 +30,13 @@ def size(path: Path) -> int:
 
 
 def tree_size(folder: Path) -> int:
-    """Bytes of the files in a folder and below it, 0 when there is none."""
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+    """Bytes of the files in a folder and below it, 0 when there is none; a file or folder removed while it is
+    counted (a commit's old state file, a conversation deleted from another tab) counts as nothing."""
+    total = 0
+    for root, _, names in os.walk(folder):  # (os.walk passes over folders it cannot list)
+        for name in names:
+            try:
+                total += os.stat(os.path.join(root, name)).st_size
+            except FileNotFoundError:
+                pass
+    return total
