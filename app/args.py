@@ -90,7 +90,7 @@ def _short_number(value: int) -> str:
 
 def given_settings(args) -> dict:
     """The cache settings given on the command line, each parsed by its declaration (the policy's parameters apart:
-    ``_params``)."""
+    ``given_params``)."""
     return {p.name: parse_setting(p, getattr(args, p.name)) for p in CACHE_SETTINGS
             if getattr(args, p.name) is not None}
 

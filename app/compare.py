@@ -1,9 +1,9 @@
 """``kvchat replay --compare A,B,...``: the same scripts replayed under each policy listed (or ``POLICY:BUDGET``: one
-policy at several budgets), with one model load, and what each did side by side: expected answers hit, the probes' likelihood, the cache's largest size, what it
-evicted, how many generated replies are the first policy's (list ``full`` first to see how far each policy's chat
-strays from the full cache's), decode speed and wall time. Nothing is stored: each run is a new conversation, thrown
-away after it. A policy that cannot go on with a script (``full`` past the model's positions) says where it stopped
-and the others run on."""
+policy at several budgets), with one model load, and what each did side by side: expected answers hit, the probes'
+likelihood, the cache's largest size, what it evicted, how many generated replies are the first policy's (list
+``full`` first to see how far each policy's chat strays from the full cache's), decode speed and wall time. Nothing
+is stored: each run is a new conversation, thrown away after it. A policy that cannot go on with a script (``full``
+past the model's positions) says where it stopped and the others run on."""
 
 from __future__ import annotations
 

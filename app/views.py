@@ -233,7 +233,7 @@ def cache_view(session: Session) -> str:
     cls = {3: "kv-recalled", 2: "kv-kept", 1: "kv-partial", 0: "kv-evicted"}
     # the template's own special tokens, drawn apart from the same characters typed in a message
     marks = {i for i, t in getattr(tok, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
-    mark = [t in marks for t in tokens]
+    mark = {k: tokens[k] in marks for k in range(start, n)}  # the tokens shown
     i, open_msg = start, None
     while i < n:
         if message[i] != open_msg:
