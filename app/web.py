@@ -134,9 +134,7 @@ class WebApp(Layout, Chatting):
                 value = param_values.get(p.name)
                 if value is None or value == "":
                     continue
-                value = parse_setting(p, value)
-                if value != p.default:
-                    params[p.name] = value
+                params[p.name] = parse_setting(p, value)
             new = entry.session.settings.changed(params=params, **changes)
             new.validate(self.manager.model.max_positions, self.manager.model.rotary_error)
             self.manager.check_room(key, new, new=False)

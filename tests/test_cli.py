@@ -427,11 +427,11 @@ def test_cache_flags_given_with_resume_change_the_stored_settings(model_dir, tmp
         return _run(capsys, "chat", "--model", model_dir, "--db", db, "--resume", cid, "--max-new-tokens", 3, *flags)
 
     code, _, err = chat("--policy", "h2o", "--heavy", 8, "--budget", 48, stdin="Hello\n/quit\n")
-    assert code == 0 and "changed from its stored settings: {'policy': 'h2o', 'params': {'heavy': '8'}" in err, err
+    assert code == 0 and "changed from its stored settings: {'policy': 'h2o', 'params': {'heavy': 8}" in err, err
     stored = Store(db).conversation(cid)["settings"]
-    assert (stored["policy"], stored["params"], stored["budget"]) == ("h2o", {"heavy": "8"}, 48)
+    assert (stored["policy"], stored["params"], stored["budget"]) == ("h2o", {"heavy": 8}, 48)
     code, _, err = chat("--average", "false")  # a parameter alone: the policy's others kept
-    assert code == 0 and Store(db).conversation(cid)["settings"]["params"] == {"heavy": "8", "average": "false"}
+    assert code == 0 and Store(db).conversation(cid)["settings"]["params"] == {"heavy": 8, "average": False}
     code, _, err = chat("--policy", "h2o", "--budget", 48)
     assert code == 0 and "changed from" not in err
     changes = [c["changes"] for c in Store(db).settings_changes(cid)]
@@ -441,7 +441,7 @@ def test_cache_flags_given_with_resume_change_the_stored_settings(model_dir, tmp
                            (("--system", "Be brief."), "--system starts a new conversation")]:
         code, _, err = chat(*flags)
         assert code == 2 and message in err, (flags, err)
-    assert Store(db).conversation(cid)["settings"] == {**stored, "params": {"heavy": "8", "average": "false"}}
+    assert Store(db).conversation(cid)["settings"] == {**stored, "params": {"heavy": 8, "average": False}}
     # replay --resume takes them alike
     longer = _write(tmp_path / "s2.jsonl", SCRIPT[:3] + [{"user": "Hello"}, {"user": "And again?"}])
     code, _, err = _run(capsys, "replay", longer, "--model", model_dir, "--db", db, "--resume", cid, "--json",
@@ -543,7 +543,7 @@ def test_policy_parameters_become_flags(param_policy, model_dir, tmp_path, capsy
     args = build_parser().parse_args(["replay", "x.jsonl", "--policy", "oldest-test", "--keep-bias", "2.5",
                                       "--budget", "256"])
     settings = settings_from_args(args)
-    assert settings.params == {"keep_bias": "2.5"}
+    assert settings.params == {"keep_bias": 2.5}  # parsed by its declaration
     settings.validate(512)
     code, out, _ = _run(capsys, "policies")
     assert "--keep-bias (float, default 1.0): weight of age" in out

@@ -133,6 +133,21 @@ def test_invalid_live_change_applies_nothing(tiny):
     assert session.settings.budget == 64 and session.settings.policy == "streaming"
 
 
+def test_policy_parameters_typed_as_text_are_the_same_settings(tiny):
+    """``/policy h2o heavy=40`` in the terminal gives its values as text: they are the values the flags gave, so
+    repeating the policy's settings changes nothing (H2O keeps the attention it accumulated) and stores no change."""
+    session = Session(tiny("llama"), Settings(policy="h2o", budget=48, window=8, slack=6, params={"heavy": 40}))
+    _long_chat(session, turns=2)
+    observer, records = session.observer, list(session.pending_settings)
+    assert session.configure(policy="h2o", params={"heavy": "40", "average": "true"}) == {}
+    assert session.observer is observer and session.pending_settings == records
+    applied = session.configure(policy="h2o", params={"heavy": "12"})
+    assert applied["params"] == {"heavy": 12} and session.policy.heavy == 12
+    with pytest.raises(ValueError, match="heavy must be"):
+        session.configure(policy="h2o", params={"heavy": "lots"})
+    assert session.settings.params == {"heavy": 12}
+
+
 def test_position_mode_switch_round_trips_keys(tiny):
     session = Session(tiny("llama"), Settings(policy="streaming", budget=40, window=8, slack=4))
     _long_chat(session, turns=3)

@@ -86,6 +86,15 @@ class Settings:
     recall_rerank: int | None = SETTINGS["recall_rerank"].default  # None: derived (16 on a GPU, 0 on a CPU)
     archive_mb: float = SETTINGS["archive_mb"].default
 
+    def __post_init__(self) -> None:
+        # The policy's parameters as its declarations parse them ("40" typed after /policy is 40), those at their
+        # default left out, so that the same settings compare equal however they were given (a new observer for an
+        # equal policy would drop H2O's accumulated attention); ValueError on a bad value, as ``validate`` gives.
+        declared = {p.name: p for p in POLICIES[self.policy].params} if self.policy in POLICIES else {}
+        params = {k: declared[k].parse(v) if k in declared else v for k, v in self.params.items()}
+        object.__setattr__(self, "params", {k: v for k, v in params.items()
+                                            if k not in declared or v != declared[k].default})
+
     # -- derived ----------------------------------------------------------------------------------------------
     @property
     def window_tokens(self) -> int:
