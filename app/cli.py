@@ -49,6 +49,9 @@ def cmd_conversations(args) -> int:
     from ..storage.db import Store
 
     path = db_path(args.db)
+    if not path.exists() and args.db is None and args.action == "list":  # nothing stored yet on this machine
+        print("[]" if args.json else f"no conversations yet (kvchat stores them in {path})")
+        return 0
     if not path.exists():
         raise CLIError(f"no database at {path}")
     store = Store(path)

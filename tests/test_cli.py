@@ -167,6 +167,20 @@ def test_conversations_list_show_export(model_dir, tmp_path, capsys):
     assert not (tmp_path / "none.jsonl").exists()
 
 
+def test_conversations_before_any_is_stored(tmp_path, capsys, monkeypatch):
+    """On a machine where kvchat has stored nothing yet, listing the conversations lists none (and creates no
+    database); a --db that is not there, or a conversation asked for by id, is an error."""
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
+    code, out, _ = _run(capsys, "conversations", "list")
+    assert code == 0 and out.startswith("no conversations yet") and str(tmp_path / "home") in out
+    code, out, _ = _run(capsys, "conversations", "list", "--json")
+    assert code == 0 and json.loads(out) == []
+    assert not (tmp_path / "home").exists()
+    for argv in (["list", "--db", tmp_path / "typo.db"], ["show", "1"]):
+        code, _, err = _run(capsys, "conversations", *argv)
+        assert code == 2 and err.startswith("kvchat: error: no database at"), argv
+
+
 @pytest.mark.parametrize("args, content, message", [
     (["--policy", "nope"], SCRIPT, "unknown policy 'nope'"),
     (["--budget", "10", "--sink", "4", "--window", "8"], SCRIPT, "must be at least sink + window"),
