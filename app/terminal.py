@@ -81,7 +81,8 @@ def _chat_help() -> str:
     lines = ["commands:",
              "  /policy NAME [key=value ...]   switch policy (parameters optional)",
              "  /budget N                      change the budget (a smaller one compresses now)",
-             "  /set key=value ...             change settings (below), e.g. /set temperature=0.3 top_k=40",
+             "  /set key=value ...             change settings (below) or the running policy's parameters, e.g.",
+             "                                 /set temperature=0.3 top_k=40",
              "  /stats                         cache and conversation statistics",
              "  /help, /quit                   (a line ending in \\ continues on the next line; Ctrl-C stops a reply)",
              f"  {BLOCK + ' ... ' + BLOCK:30s} a message typed over several lines (a paste is one as it is)",
@@ -117,13 +118,20 @@ def read_message(read) -> str:
 
 
 def _set(session, pairs: list[str]) -> dict:
-    """``/set key=value ...``: every value parsed first, then the cache settings (``configure``, which checks the
-    combination) and the sampling settings applied; ValueError and nothing applied on any bad value."""
-    cache, sampling = {}, {}
+    """``/set key=value ...``: every value parsed first, then the cache settings and the running policy's own
+    parameters (``configure``, which checks the combination) and the sampling settings applied; ValueError and
+    nothing applied on any bad value."""
+    if not pairs:
+        raise CLIError("/set takes key=value ... (/help lists the settings)")
+    cache, sampling, params = {}, {}, {}
+    own = {p.name: p for p in POLICIES[session.settings.policy].params}
     for kv in pairs:
         if "=" not in kv:
             raise CLIError(f"/set takes key=value, got {kv!r}")
         k, v = kv.split("=", 1)
+        if k in own:
+            params[k] = parse_setting(own[k], v)
+            continue
         if k not in SETTINGS:
             owners = declared_params().get(k, (None, []))[1]
             hint = (f"; a parameter of {', '.join(owners)}: /policy {owners[0]} {k}=VALUE" if owners
@@ -131,6 +139,8 @@ def _set(session, pairs: list[str]) -> dict:
             raise CLIError(f"/set cannot change {k!r}{hint}")
         p = SETTINGS[k]
         (cache if p in CACHE_SETTINGS else sampling)[k] = parse_setting(p, v)
+    if params:  # the policy's other parameters kept
+        cache["params"] = {**session.settings.params, **params}
     new_sampling = session.sampling.changed(**sampling)
     applied = session.configure(**cache) if cache else {}
     before = session.sampling

@@ -167,6 +167,26 @@ def test_conversations_list_show_export(model_dir, tmp_path, capsys):
     assert not (tmp_path / "none.jsonl").exists()
 
 
+def test_set_changes_the_running_policys_own_parameters(tiny):
+    """``/set heavy=16`` under h2o changes that parameter and keeps the policy's others; a parameter of another policy
+    or any bad value is an error and changes nothing."""
+    from kvchat.app.args import CLIError
+    from kvchat.app.terminal import _set
+    from kvchat.core.engine.session import Session
+    from kvchat.core.engine.settings import Settings
+
+    session = Session(tiny("llama"), Settings(policy="h2o", budget=48, window=8, slack=6, params={"average": "no"}))
+    assert _set(session, ["heavy=16", "temperature=0.3"]) == {"params": {"average": False, "heavy": 16},
+                                                              "temperature": 0.3}
+    assert session.policy.heavy == 16 and session.policy.average is False
+    for pairs, message in [(["obs_window=4"], "a parameter of snapkv, cake, headaware: /policy snapkv"),
+                           (["heavy=2", "top_k=x"], "top_k must be"), (["heavy=-1"], "heavy must be >= 0"),
+                           ([], "/set takes key=value")]:
+        with pytest.raises((CLIError, ValueError), match=message):
+            _set(session, pairs)
+    assert session.settings.params == {"average": False, "heavy": 16} and session.sampling.top_k == 0
+
+
 def test_conversations_before_any_is_stored(tmp_path, capsys, monkeypatch):
     """On a machine where kvchat has stored nothing yet, listing the conversations lists none (and creates no
     database); a --db that is not there, or a conversation asked for by id, is an error."""
