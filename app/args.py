@@ -128,13 +128,14 @@ def settings_from_args(args) -> Settings:
 
 def resumed_changes(args, settings: Settings) -> dict:
     """The cache flags given with ``--resume``, as changes to the resumed conversation's ``settings`` for
-    ``Session.configure`` (as ``/policy`` and ``/set`` make them): its policy's parameters kept unless the policy
-    changes, a given parameter checked against the policy it will apply to. Empty when none is given."""
+    ``Session.configure`` (as ``/policy`` and ``/set`` make them; its policy's parameters kept unless the policy
+    changes: ``Settings.changed``), a given parameter checked against the policy it will apply to. Empty when none
+    is given."""
     changes = given_settings(args)
     policy = changes.get("policy", settings.policy)
     params = _params(args, policy)
-    if params or policy != settings.policy:
-        changes["params"] = {**(settings.params if policy == settings.policy else {}), **params}
+    if params:
+        changes["params"] = params
     return changes
 
 

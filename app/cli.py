@@ -49,19 +49,15 @@ def cmd_conversations(args) -> int:
     from ..storage.db import Store
 
     path = db_path(args.db)
-    if not path.exists() and args.db is None and args.action == "list":  # nothing stored yet on this machine
-        print("[]" if args.json else f"no conversations yet (kvchat stores them in {path})")
-        return 0
-    if not path.exists():
+    if not path.exists() and (args.db is not None or args.action != "list"):  # (none stored yet: an empty list)
         raise CLIError(f"no database at {path}")
-    store = Store(path)
     if args.action == "list":
-        rows = store.conversations()
+        rows = Store(path).conversations() if path.exists() else []
         if args.json:
             print(json.dumps(rows))
             return 0
         if not rows:
-            print("no conversations")
+            print(f"no conversations yet (kvchat stores them in {path})")
         for r in rows:
             s = r["settings"] or {}
             print(f"{r['id']:5d}  {r['updated_at'][:19]}  {r['messages']:4d} msgs {r['total_tokens']:7d} tok "
@@ -69,6 +65,7 @@ def cmd_conversations(args) -> int:
         return 0
     if args.id is None:
         raise CLIError(f"conversations {args.action} needs a conversation id")
+    store = Store(path)
     if args.action == "export":
         lines = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in store.export_replay(args.id))
         if args.output:

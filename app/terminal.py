@@ -139,8 +139,8 @@ def _set(session, pairs: list[str]) -> dict:
             raise CLIError(f"/set cannot change {k!r}{hint}")
         p = SETTINGS[k]
         (cache if p in CACHE_SETTINGS else sampling)[k] = parse_setting(p, v)
-    if params:  # the policy's other parameters kept
-        cache["params"] = {**session.settings.params, **params}
+    if params:
+        cache["params"] = params
     new_sampling = session.sampling.changed(**sampling)
     applied = session.configure(**cache) if cache else {}
     before = session.sampling

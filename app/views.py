@@ -232,8 +232,7 @@ def cache_view(session: Session) -> str:
              + (f" Showing the last {VIEW_TOKENS:,}." if start else "") + "</p>"]
     cls = {3: "kv-recalled", 2: "kv-kept", 1: "kv-partial", 0: "kv-evicted"}
     # the template's own special tokens, drawn apart from the same characters typed in a message
-    marks = {i for i, t in getattr(tok, "added_tokens_decoder", {}).items() if getattr(t, "special", False)}
-    mark = {k: tokens[k] in marks for k in range(start, n)}  # the tokens shown
+    mark = {k: tokens[k] in session.model.chat.special_ids for k in range(start, n)}  # the tokens shown
     i, open_msg = start, None
     while i < n:
         if message[i] != open_msg:

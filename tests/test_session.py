@@ -146,6 +146,10 @@ def test_policy_parameters_typed_as_text_are_the_same_settings(tiny):
     with pytest.raises(ValueError, match="heavy must be"):
         session.configure(policy="h2o", params={"heavy": "lots"})
     assert session.settings.params == {"heavy": 12}
+    session.configure(policy="h2o", params={"average": False})  # naming the running policy: its others kept
+    assert session.settings.params == {"heavy": 12, "average": False}
+    session.configure(policy="streaming")
+    assert session.configure(policy="h2o") == {"policy": "h2o"} and session.settings.params == {}  # a new start
 
 
 def test_position_mode_switch_round_trips_keys(tiny):

@@ -228,6 +228,14 @@ def undo(session, created_conversation: bool) -> None:
             committed(session)
 
 
+def settings_record(turn: int, old, new) -> dict:
+    """A settings change as stored (``Store.record_settings``): at which turn, what changed from ``old`` to ``new``
+    (both ``Settings``), the settings after it, when."""
+    before = old.as_dict()
+    return {"turn": turn, "changes": {k: v for k, v in new.as_dict().items() if before.get(k) != v},
+            "settings": new.as_dict(), "created_at": now_iso()}
+
+
 def record_settings(session, record: dict) -> None:
     """A live settings change: written now if the conversation exists (with the cache state it left: a smaller
     budget compresses at once), else with its first turn; one made while a turn is open (the settings panel while a

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from ...storage import statefile
-from ...storage.db import now_iso
 from ...storage.legacy import LegacyArchive
 from ..recall.digest import Digests
 from ..cache import compress
@@ -43,9 +42,7 @@ def resume(cls, model, store, conversation_id: int, exact: bool = True, sampling
                   title=conv["title"], undo=undo, folder=folder)
     session.conversation_id = conversation_id
     if later is not None:  # written with the next commit, as a change made before a conversation exists is
-        changes = {k: v for k, v in later.as_dict().items() if settings.as_dict().get(k) != v}
-        session.pending_settings.append({"turn": conv["next_turn"], "changes": changes,
-                                         "settings": later.as_dict(), "created_at": now_iso()})
+        session.pending_settings.append(persist.settings_record(conv["next_turn"], settings, later))
     try:
         if folder is not None and folder.is_dir():  # another process with it open would write under us (a missing
             session.files.hold(f"conversation {conversation_id}")  # folder is made, and held, by the next commit)

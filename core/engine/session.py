@@ -32,7 +32,6 @@ from .procinfo import memory_mb, peak_rss_mb, rss_mb  # noqa: F401  (part of the
 from .reading import SessionReads
 from .settings import Sampling, Settings
 from .tokens import ROLES, TokenLog, check_text, encode_parts
-from ...storage.db import now_iso
 from .turns import ContextFullError, ReadStopped, TurnResult, stage
 
 __all__ = ["CLOSING_RESERVE", "ROLES", "ContextFullError", "ReadStopped", "Sampling", "Session", "Settings",
@@ -159,15 +158,14 @@ class Session(Feeding, Generation, SessionReads):
         """
         new = self.settings.changed(**changes)
         new.validate(self.model.max_positions, self.model.rotary_error)
-        applied = {k: v for k, v in new.as_dict().items() if self.settings.as_dict().get(k) != v}
-        if applied:
+        record = persist.settings_record(self.turn, self.settings, new)
+        if record["changes"]:
             self._apply_settings(new)
             if new.recall == "on" and self.files is None:  # recall switched on without a store: a temporary folder
                 self.files = persist.Files.new(None)
             persist.open_digests(self)
-            persist.record_settings(self, {"turn": self.turn, "changes": applied, "settings": new.as_dict(),
-                                           "created_at": now_iso()})
-        return applied
+            persist.record_settings(self, record)
+        return record["changes"]
 
     def _apply_settings(self, new: Settings) -> None:
         policy = make_policy(new.policy, **new.params)

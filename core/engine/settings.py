@@ -133,9 +133,13 @@ class Settings:
         return cls(**{k: v for k, v in stored.items() if k in known})
 
     def changed(self, **changes: Any) -> "Settings":
-        """A copy with ``changes`` applied; policy parameters are reset when the policy changes."""
-        if "policy" in changes and changes["policy"] != self.policy and "params" not in changes:
-            changes["params"] = {}
+        """A copy with ``changes`` applied. Parameters given for the running policy change those named and keep its
+        others (``/set heavy=64``, ``/policy h2o heavy=64`` under h2o, ``--resume --heavy 64``); a new policy starts
+        from its defaults and the parameters given with it."""
+        if changes.get("policy", self.policy) == self.policy:
+            changes["params"] = {**self.params, **changes.get("params", {})}
+        else:
+            changes.setdefault("params", {})
         return replace(self, **changes)
 
     def validate(self, max_positions: int, rotary_error: str | None = None) -> None:

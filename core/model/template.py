@@ -30,8 +30,10 @@ class ChatFormat:
         self.default_system = self._detect_default_system()
         self.closing = self._detect_closing()
         self._user_wrap: tuple[list[int], list[int]] | None = None
-        added = getattr(tokenizer, "added_tokens_decoder", {}).values()
-        self._specials = sorted({t.content for t in added if getattr(t, "special", False) and t.content})
+        added = {i: t for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items()
+                 if getattr(t, "special", False) and t.content}
+        self.special_ids = frozenset(added)  # the template's own markers, as ids (the cache view draws them apart)
+        self._specials = sorted({t.content for t in added.values()})  # and as text, to find them in a message
 
     @classmethod
     def for_model(cls, tokenizer, model_type: str, template: str | None = None) -> "ChatFormat":
