@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .. import __version__
+from ..bench import HELP as BENCH_HELP
 from ..core.decode.parts import DECODE
 from ..core.decode.weights import WEIGHTS
 from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS, Sampling, Settings
@@ -145,7 +146,11 @@ def sampling_from_args(args) -> dict:
             if getattr(args, p.name) is not None}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """kvchat's parser. ``bench``'s own parsers (each benchmark's options) are built only where ``argv`` (default
+    ``sys.argv[1:]``) names it: they import the engine and transformers, seconds that the other commands, and
+    ``kvchat --help``, need not wait for."""
+    argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="kvchat", description="Chat with a local LLM whose KV cache stays bounded.")
     parser.add_argument("--version", action="version", version=f"kvchat {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
@@ -204,14 +209,17 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--output", "-o", default=None, help="export to this file instead of stdout")
     conv.add_argument("--json", action="store_true")
 
-    from ..bench.cli import add_parser as add_bench_parser
+    if "bench" in argv:
+        from ..bench.cli import add_parser as add_bench_parser
 
-    add_bench_parser(sub)
+        add_bench_parser(sub)
+    else:
+        sub.add_parser("bench", help=BENCH_HELP)
     return parser
 
 
 def db_path(arg: str | None) -> Path:
-    from ..core.model.loading import kvchat_home
+    from ..storage.files import kvchat_home
 
     return Path(arg).expanduser() if arg else kvchat_home() / "kvchat.db"
 

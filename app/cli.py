@@ -246,6 +246,12 @@ def _port_free(host: str, port: int) -> None:
                            "another --port") from None
 
 
+def _chat(args) -> int:
+    from .terminal import cmd_chat
+
+    return cmd_chat(args)
+
+
 def _run_bench(args) -> int:
     from ..bench.cli import run
 
@@ -265,19 +271,14 @@ def _terminated(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    from ..core.model.loading import ModelError
     from ..core.engine.procinfo import tune_malloc
 
     tune_malloc()
-
-    from .terminal import cmd_chat
-
-    commands = {"serve": cmd_serve, "chat": cmd_chat, "replay": cmd_replay, "policies": cmd_policies,
-                "conversations": cmd_conversations}
-    commands["bench"] = _run_bench
+    commands = {"serve": cmd_serve, "chat": _chat, "replay": cmd_replay, "policies": cmd_policies,
+                "conversations": cmd_conversations, "bench": _run_bench}
     # SIGTERM (kill, timeout, a service manager's stop) ends the command through its cleanup, as an exception: the
     # sessions close and temporary files go (the web UI shuts down as on Ctrl-C); it ended the process on the spot.
     # Every completed turn is stored either way.
@@ -285,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         else None
     try:
         return commands[args.command](args)
-    except (ValueError, ModelError, OSError, sqlite3.Error) as exc:
+    except (ValueError, OSError, sqlite3.Error) as exc:  # a model that cannot load is a ValueError (ModelError)
         print(f"kvchat: error: {one_line(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:

@@ -20,6 +20,7 @@ from ..core.decode.compiled import CompiledStep
 from ..core.decode.parts import DECODE
 from ..core.decode.weights import WEIGHTS
 from ..policies import POLICIES
+from . import HELP
 
 ORDER = ("ppl", "recall", "speed", "memory", "headaware", "kvpress", "chat", "durability")
 REPORTED = ORDER + ("speed_cuda",)  # speed on a GPU: ``kvchat bench speed --device cuda``, its own results
@@ -48,7 +49,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def add_parser(sub) -> None:
     """Add the ``bench`` subcommand to kvchat's subparsers."""
-    bench = sub.add_parser("bench", help="measure quality, speed and memory of every policy (JSON, plots, report)",
+    bench = sub.add_parser("bench", help=HELP,
                            description="Run a benchmark; write its JSON, plots and the regenerated RESULTS.md.")
     names = bench.add_subparsers(dest="bench", required=True, metavar="NAME")
     for name in ORDER:
@@ -67,7 +68,7 @@ def output_dir(args) -> Path:
     if args.out is not None:
         return Path(args.out)
     if getattr(args, "quick", False):
-        from ..core.model.loading import kvchat_home
+        from ..storage.files import kvchat_home
 
         return kvchat_home() / QUICK_DIR
     return Path(DOCS)

@@ -29,6 +29,7 @@ import torch
 from ..core.model import loading as models
 from ..core.engine.session import Session
 from ..core.engine.settings import Settings
+from ..storage.files import kvchat_home
 from .common import Run, data_dir, log, read_text
 
 NAME = "kvpress"
@@ -128,7 +129,7 @@ def in_order(todo: list[dict]) -> list[dict]:
 
 
 def kvpress_side(args, ids: list[int], todo: list[dict], run: Run) -> dict:
-    python = ensure_venv(Path(args.venv) if args.venv else models.kvchat_home() / "kvpress-venv")
+    python = ensure_venv(Path(args.venv) if args.venv else kvchat_home() / "kvpress-venv")
     job = {"model": str(models.resolve(args.model)), "ids": ids, "threads": torch.get_num_threads(),
            "tasks": [{k: v for k, v in t.items() if k not in ("overrides", "policy")} for t in todo]}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ""}

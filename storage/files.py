@@ -6,6 +6,12 @@ import os
 from pathlib import Path
 
 
+def kvchat_home() -> Path:
+    """Where kvchat keeps its files (the database, converted models, quick benchmarks): ``$KVCHAT_HOME``, else
+    ``~/.cache/kvchat``."""
+    return Path(os.environ.get("KVCHAT_HOME") or Path.home() / ".cache" / "kvchat")
+
+
 def fsync_dir(folder: Path) -> None:
     """Make a folder's entries (files created, renamed or removed in it) durable."""
     fd = os.open(folder, os.O_RDONLY)

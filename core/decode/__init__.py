@@ -12,22 +12,31 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 
-from torch import nn
-
-from .compiled import CompiledStep
-from .eager import DecodeStep
-from .graph import GraphStep
 from .parts import DECODE, check
 
 log = logging.getLogger(__name__)
 
 __all__ = ["DECODE", "CompiledStep", "DecodeStep", "GraphStep", "build", "check"]
+# the steps are imported when first named: ``torch.compile``'s and transformers' imports take seconds, which the
+# commands that decode nothing (``kvchat --help``, ``policies``, ``conversations``) need not wait for
+_STEPS = {"CompiledStep": "compiled", "DecodeStep": "eager", "GraphStep": "graph"}
 
 
-def build(model: nn.Module, decode: str = "auto") -> DecodeStep | None:
+def __getattr__(name: str):
+    if name in _STEPS:
+        return getattr(importlib.import_module(f"{__name__}.{_STEPS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def build(model, decode: str = "auto"):
     """The step that decodes ``model`` for ``decode`` (``DECODE``), None where the model's forward does."""
+    from .compiled import CompiledStep
+    from .eager import DecodeStep
+    from .graph import GraphStep
+
     if check(decode) == "model" or DecodeStep.unsupported(model) is not None:
         return None
     on_cuda = next(model.parameters()).device.type == "cuda"

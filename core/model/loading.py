@@ -25,6 +25,7 @@ from ..decode import weights as weight_formats
 from ..cache.positions import Rotary
 from ..decode.eager import DecodeStep
 from .template import ChatFormat, scaffolding
+from ...storage.files import kvchat_home
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +45,6 @@ MODEL_SAMPLING: dict[str, dict[str, Any]] = {
 
 class ModelError(ValueError):
     pass
-
-
-def kvchat_home() -> Path:
-    return Path(os.environ.get("KVCHAT_HOME") or Path.home() / ".cache" / "kvchat")
 
 
 def _default_gguf() -> Path:
