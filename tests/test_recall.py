@@ -436,21 +436,26 @@ def test_relevance_finds_the_group_the_queries_point_at(monkeypatch, candidates)
     assert (rel == 0).sum() == (groups - candidates if candidates < groups else 0)
 
 
-def test_the_coarse_pass_multiplies_a_block_of_groups_at_a_time(monkeypatch):
+@pytest.mark.parametrize("kept_blocks, products", [(None, 11), (0, 2 * 11), (5, 11 + 6)])
+def test_the_coarse_pass_multiplies_a_block_of_groups_at_a_time(monkeypatch, kept_blocks, products):
     """Past ``BLOCK`` groups the coarse pass's shares are those of one softmax over all the groups (to float
-    precision), from products of at most ``BLOCK`` groups each: its memory, on a GPU too, stays a block's however
-    long the chat (the groups grow with it until the archive's cap)."""
+    precision), from products of at most ``BLOCK`` groups each: its memory, on a GPU too, stays bounded however long
+    the chat (the groups grow with it until the archive's cap). The products of its first pass (the normaliser) are
+    kept for the second up to ``KEPT_LOGITS_MB`` and made again past it, with the same shares."""
     from kvchat.core.recall import score
 
     gen = torch.Generator().manual_seed(2)
     q, keys = torch.randn(8, 5, 16, generator=gen), torch.randn(2, 1000, 16, generator=gen).to(score.COARSE_DTYPE)
     whole = score._shares(q, keys, 0.25, 1)
     monkeypatch.setattr(score, "BLOCK", 96)
+    if kept_blocks is not None:  # room for that many blocks' products (None: the default, all of them)
+        block_bytes = score._logits(q, keys[:, :96], 0.25).nbytes
+        monkeypatch.setattr(score, "KEPT_LOGITS_MB", kept_blocks * block_bytes / 2**20)
     widths, plain = [], score._logits
     monkeypatch.setattr(score, "_logits", lambda q, k, *a: widths.append(k.shape[1]) or plain(q, k, *a))
     blocked = score._blocked_shares(q, keys, 0.25)
     torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-8)
-    assert max(widths) == 96 and len(widths) == 2 * 11
+    assert max(widths) == 96 and len(widths) == products
 
 
 def test_scores_equal_the_attention_shares_they_stand_for():
