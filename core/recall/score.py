@@ -19,7 +19,7 @@ QUERY_ROWS = 64  # the latest query rows of a user message kept for scoring
 CANDIDATES = 512  # past this many groups, a coarse pass (one key per group, a few layers) picks the ones scored
 COARSE_ROWS = 24  # query rows (spread evenly over the message) the coarse pass uses; the full pass uses all
 BLOCK = 4096  # groups the coarse pass multiplies at once: its memory (on a GPU too) is bounded, not the chat's length
-KEPT_LOGITS_MB = 96  # the coarse pass's products kept for its second pass (past it, made again): 230,000 groups here
+KEPT_LOGITS_MB = 96  # on the CPU the coarse pass's products kept for its second pass: 230,000 groups here
 
 
 def _native_bf16() -> bool:
@@ -158,14 +158,15 @@ def _blocked_shares(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.
     """``_shares(q, keys, scale, 1, rough=True)`` (``keys``: one per group, in memory, moved to ``q``'s device a
     ``BLOCK`` of groups at a time) in bounded memory: past one block, each row's softmax normaliser is summed block by
     block first (log-sum-exp), then each block's shares are taken against it (in fp32, where one block's may be taken
-    in bf16: the coarse pass only ranks). The first pass's products are kept for the second up to ``KEPT_LOGITS_MB``
-    and made again past it (docs/recall.md: 30-36% less time kept, at 60,000-156,250 groups). A group's share is the
+    in bf16: the coarse pass only ranks). On the CPU the first pass's products are kept for the second up to
+    ``KEPT_LOGITS_MB`` and made again past it (docs/recall.md: 30-36% less time kept, at 60,000-156,250 groups). A group's share is the
     exponential of its best row's normalised logit, taken after the maximum: the same numbers, one exponential per
     group instead of one per row and group."""
     groups = keys.shape[1]
     if groups <= BLOCK:
         return _shares(q, keys.to(q.device), scale, 1, rough=True)
-    kept, norms, room = [], [], KEPT_LOGITS_MB * 2**20
+    # on a GPU the products are cheap and the device memory stays a block's (a long chat's peak stays flat)
+    kept, norms, room = [], [], KEPT_LOGITS_MB * 2**20 if q.device.type == "cpu" else 0
     for a in range(0, groups, BLOCK):
         s = _logits(q, keys[:, a: a + BLOCK].to(q.device), scale)
         norms.append(s.float().logsumexp(-1))
