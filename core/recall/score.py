@@ -177,8 +177,8 @@ def _blocked_shares(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.
     for i, a in enumerate(range(0, groups, BLOCK)):
         s = kept[i] if kept[i] is not None else _logits(q, keys[:, a: a + BLOCK].to(q.device), scale)
         kept[i] = None
-        shares.append((s.float() - norm).amax((0, 1)).exp().cpu())
-    return torch.cat(shares)
+        shares.append((s.float() - norm).amax((0, 1)).exp())
+    return torch.cat(shares).cpu()  # on a GPU one copy back, not one per block
 
 
 def _bucket(n: int, step: int) -> int:
