@@ -48,7 +48,7 @@ class Chatting:
         shown = chat_messages(s) + [{"role": "user", "content": text}, {"role": "assistant", "content": "▌"}]
         yield [shown, ""] + keep
         answer, last_chart, last_shown, t0, n, before = "", 0.0, 0.0, time.perf_counter(), 0, None
-        stored = stored_turns(s, self.manager.store)  # the charts' stored turns: unchanged until the reply commits
+        stored = stored_turns(s, self.manager.store, entry.stored)  # unchanged until the reply commits
         failed = broken = unread = None
         try:
             first = yield from self._read_first(gen, s)

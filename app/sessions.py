@@ -16,6 +16,7 @@ from ..core.model.loading import ChatModel
 from ..core.engine.session import ContextFullError, Sampling, Session
 from ..core.engine.settings import Settings
 from ..storage.db import Store
+from .views import StoredTurns
 
 
 class CapacityError(RuntimeError):
@@ -30,6 +31,7 @@ USER_ERRORS = (ValueError, ContextFullError, CapacityError, OSError)
 class Entry:
     session: Session
     rss_mb: dict[int, float] = field(default_factory=dict)  # turn -> memory after it (GPU allocated on CUDA, else RSS)
+    stored: StoredTurns = field(default_factory=StoredTurns)  # the charts' turn statistics, read as they are stored
     busy: bool = False  # a reply is streaming
 
 

@@ -66,7 +66,7 @@ class WebApp(Layout, Chatting):
         return gr.update(choices=self._conversation_choices(), value=value)
 
     def _charts(self, entry: Entry, live: Live | None = None, stored=None):
-        stored = stored or stored_turns(entry.session, self.manager.store)
+        stored = stored or stored_turns(entry.session, self.manager.store, entry.stored)
         return charts(entry.session, stored, entry.rss_mb, self.manager.per_position_bytes(entry.session.settings),
                       live)
 

@@ -250,8 +250,18 @@ class Store:
         return self._rows("messages", conversation_id, "idx")
 
     @guarded
-    def turn_stats(self, conversation_id: int) -> list[dict]:
-        return self._rows("turn_stats", conversation_id, "turn")
+    def turn_stats(self, conversation_id: int, after_id: int = 0) -> list[dict]:
+        """The conversation's turn statistics in turn order; those stored after row ``after_id`` (the rows a later
+        commit adds have larger ids and later turns)."""
+        sql = "SELECT * FROM turn_stats WHERE conversation_id = ? AND id > ? ORDER BY turn, id"
+        return [_load(r) for r in self.db.query(sql, [conversation_id, after_id])]
+
+    @guarded
+    def turn_stats_count(self, conversation_id: int, upto_id: int) -> int:
+        """How many of the conversation's turn statistics rows up to row ``upto_id`` are stored (fewer than were
+        read: an undo took turns back)."""
+        sql = "SELECT COUNT(*) FROM turn_stats WHERE conversation_id = ? AND id <= ?"
+        return self.db.execute(sql, [conversation_id, upto_id]).fetchone()[0]
 
     @guarded
     def eviction_events(self, conversation_id: int) -> list[dict]:
