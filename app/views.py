@@ -238,18 +238,16 @@ def head_map(session: Session):
 
 def cache_view(session: Session) -> str:
     """The conversation as the model sees it: text the cache holds in every head, in some heads, or in none."""
-    rows = session.token_rows()
-    tokens, message, role = rows["token"], rows["message"], rows["role"]
-    n = len(tokens)
+    # the tokens shown, and counts over what the cache holds: a reply in a chat of days costs the view what it shows,
+    # not the whole chat (ad hoc, 150,000 tokens, a 2-layer model: 54 ms when it read every token, 27 now)
+    rows = session.token_rows(VIEW_TOKENS)
+    n, start, seen, full, recalled = rows["total"], rows["start"], rows["seen"], rows["full"], rows["recalled_held"]
     if n == 0:
         return '<div class="kv-cacheview"><p class="kv-summary">Nothing cached yet.</p></div>'
-    start = max(0, n - VIEW_TOKENS)
-    levels = [2 if h >= 0.9999 else 1 if h > 0 else 0 for h in rows["held"]]
-    seen = sum(1 for h in levels if h)
-    full = sum(1 for h in levels if h == 2)
+    tokens, message, role = rows["token"], rows["message"], rows["role"]  # from ``start`` on
     # recall brought it back and the cache still holds it: marked apart from what never left
-    levels = [3 if r and lv else lv for lv, r in zip(levels, rows["recalled"])]
-    recalled = sum(1 for lv in levels if lv == 3)
+    levels = [3 if r and h > 0 else 2 if h >= 0.9999 else 1 if h > 0 else 0
+              for h, r in zip(rows["held"], rows["recalled"])]
     tok = session.model.tokenizer
     parts = [f'<p class="kv-summary">The model still sees <b>{seen:,}</b> of {n:,} tokens ({100 * seen / n:.0f}%)'
              f': {full:,} in every head, {seen - full:,} in some heads, {n - seen:,} evicted'
@@ -257,9 +255,9 @@ def cache_view(session: Session) -> str:
              + (f" Showing the last {VIEW_TOKENS:,}." if start else "") + "</p>"]
     cls = {3: "kv-recalled", 2: "kv-kept", 1: "kv-partial", 0: "kv-evicted"}
     # the template's own special tokens, drawn apart from the same characters typed in a message
-    mark = {k: tokens[k] in session.model.chat.special_ids for k in range(start, n)}  # the tokens shown
-    i, open_msg = start, None
-    while i < n:
+    mark = [t in session.model.chat.special_ids for t in tokens]
+    i, open_msg, shown = 0, None, len(tokens)
+    while i < shown:
         if message[i] != open_msg:
             if open_msg is not None:
                 parts.append("</div>")
@@ -267,7 +265,7 @@ def cache_view(session: Session) -> str:
             r = role[i]
             parts.append(f'<div class="kv-msg kv-{r}"><span class="kv-role">{r}</span>')
         j = i
-        while j < n and message[j] == open_msg and levels[j] == levels[i] and mark[j] == mark[i]:
+        while j < shown and message[j] == open_msg and levels[j] == levels[i] and mark[j] == mark[i]:
             j += 1
         text = tok.decode(tokens[i:j], skip_special_tokens=False)
         title = ' title="recalled from the archive"' if levels[i] == 3 else ""

@@ -141,6 +141,25 @@ def test_cache_view_greys_exactly_what_no_head_holds(manager):
     assert "What does &lt;|im_end|&gt; mean?" in re.sub(r"<[^>]+>", "", last)
 
 
+def test_the_cache_view_of_a_long_chat_reads_what_it_shows(manager, monkeypatch):
+    """Past ``VIEW_TOKENS`` the view shows the last ones; its per-token reading covers those alone (it covered the
+    whole chat with every reply), and its counts, taken from what the cache holds, are those of every token."""
+    from kvchat.app import views
+
+    s = manager.entry("a").session
+    _chat(s, turns=8)
+    monkeypatch.setattr(views, "VIEW_TOKENS", 40)
+    rows = s.token_rows(40)
+    n, held = s.total_tokens, s.held_fraction()
+    assert rows["start"] == n - 40 and len(rows["token"]) == len(rows["held"]) == 40
+    assert rows["held"] == held[n - 40:].tolist() and rows["token"] == s.token_rows()["token"][n - 40:]
+    text = re.sub(r"<[^>]+>", "", cache_view(s))
+    seen, full = int((held > 0).sum()), int((held >= 0.9999).sum())
+    assert f"still sees {seen:,} of {n:,} tokens" in text and f"{full:,} in every head" in text
+    assert f"{n - seen:,} evicted" in text and "Showing the last 40." in text
+    assert "Kite 7 noted." in text and "Item 0" not in text  # the last tokens, not the first
+
+
 def test_chat_messages_carry_token_counts(manager):
     s = manager.entry("a").session
     s.exchange("Hello there.", "Hi!")

@@ -26,18 +26,37 @@ class SessionReads:
         return out
 
     @locked
-    def token_rows(self, start: int = 0) -> dict[str, list]:
-        """From absolute position ``start`` on: token id, role name, message index, the fraction of (layer, KV
-        head) pairs whose cache still holds it, and whether recall brought it back (in any turn)."""
-        start = min(max(start, 0), self.log.n)
+    def token_rows(self, last: int | None = None) -> dict:
+        """The last ``last`` tokens (None: all), from absolute position ``start`` on: token id, role name, message
+        index, the fraction of (layer, KV head) pairs whose cache still holds it, and whether recall brought it back
+        (in any turn); with the chat's ``total`` tokens and, over all of them, the ``held_counts``. One reading, its
+        cost the tokens asked for and the cache's, however long the chat."""
+        start = 0 if last is None else max(0, self.log.n - last)
+        recalled = self._recalled()
+        return {"start": start, "total": self.log.n, "token": self.log.column("token", start).tolist(),
+                "role": [ROLES[r] for r in self.log.column("role", start).tolist()],
+                "message": self.log.column("message", start).tolist(),
+                "held": self.held_fraction(start).tolist(), "recalled": recalled[start:].tolist(),
+                **self._held_counts(recalled)}
+
+    def _recalled(self) -> torch.Tensor:
+        """Per absolute position, whether recall brought it back in any turn."""
         recalled = torch.zeros(self.log.n, dtype=torch.bool)
         for res in self.history:
             for a, b in res.recalled or []:
                 recalled[a:b] = True
-        return {"start": start, "token": self.log.column("token", start).tolist(),
-                "role": [ROLES[r] for r in self.log.column("role", start).tolist()],
-                "message": self.log.column("message", start).tolist(),
-                "held": self.held_fraction()[start:].tolist(), "recalled": recalled[start:].tolist()}
+        return recalled
+
+    def _held_counts(self, recalled: torch.Tensor) -> dict[str, int]:
+        """The tokens some (layer, KV head) pair's cache holds ("seen"), those every pair holds ("full"), and those
+        of the seen that recall brought back (``recalled``, per position), counted over what the cache holds."""
+        layers = [layer for layer in self.cache.layers if layer.is_initialized]
+        if not layers:
+            return {"seen": 0, "full": 0, "recalled_held": 0}
+        pos = torch.cat([layer.positions().flatten().cpu().long() for layer in layers])
+        held, counts = torch.unique(pos[pos >= 0], return_counts=True)
+        return {"seen": held.numel(), "full": int((counts == sum(layer.heads for layer in layers)).sum()),
+                "recalled_held": int(recalled[held].sum())}
 
     @locked
     def kept_positions(self) -> torch.Tensor:
@@ -49,14 +68,16 @@ class SessionReads:
         return held[held >= 0].cpu()
 
     @locked
-    def held_fraction(self) -> torch.Tensor:
-        """Per absolute position, the fraction of (layer, KV head) pairs whose cache still holds it."""
-        counts = torch.zeros(self.log.n, dtype=torch.float32)
+    def held_fraction(self, start: int = 0) -> torch.Tensor:
+        """Per absolute position from ``start`` on, the fraction of (layer, KV head) pairs whose cache still holds
+        it."""
+        n = self.log.n - start
+        counts = torch.zeros(max(n, 0), dtype=torch.float32)
         heads = 0
         for layer in self.cache.layers:
             if layer.is_initialized:
-                pos = layer.positions().flatten().cpu().long()
-                counts += torch.bincount(pos[pos >= 0], minlength=self.log.n)[: self.log.n].float()
+                pos = layer.positions().flatten().cpu().long() - start
+                counts += torch.bincount(pos[pos >= 0], minlength=n)[:n].float()
                 heads += layer.heads
         return counts / max(heads, 1)
 
