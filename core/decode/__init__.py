@@ -14,8 +14,14 @@ from __future__ import annotations
 
 import importlib
 import logging
+from typing import TYPE_CHECKING
+
+from torch import nn
 
 from .parts import DECODE, check
+
+if TYPE_CHECKING:
+    from .eager import DecodeStep
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +37,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def build(model, decode: str = "auto"):
+def build(model: nn.Module, decode: str = "auto") -> DecodeStep | None:
     """The step that decodes ``model`` for ``decode`` (``DECODE``), None where the model's forward does."""
     from .compiled import CompiledStep
     from .eager import DecodeStep
