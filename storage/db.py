@@ -241,9 +241,9 @@ class Store:
             r["disk_bytes"] = tree_size(self.archive_folder(r["archive"])) if r.get("archive") else 0
         return rows
 
-    def _rows(self, table: str, conversation_id: int, order: str) -> list[dict]:
-        sql = f"SELECT * FROM {table} WHERE conversation_id = ? ORDER BY {order}"
-        return [_load(r) for r in self.db.query(sql, [conversation_id])]
+    def _rows(self, table: str, conversation_id: int, order: str, after_id: int = 0) -> list[dict]:
+        sql = f"SELECT * FROM {table} WHERE conversation_id = ? AND id > ? ORDER BY {order}"
+        return [_load(r) for r in self.db.query(sql, [conversation_id, after_id])]
 
     @guarded
     def messages(self, conversation_id: int) -> list[dict]:
@@ -253,8 +253,7 @@ class Store:
     def turn_stats(self, conversation_id: int, after_id: int = 0) -> list[dict]:
         """The conversation's turn statistics in turn order; those stored after row ``after_id`` (the rows a later
         commit adds have larger ids and later turns)."""
-        sql = "SELECT * FROM turn_stats WHERE conversation_id = ? AND id > ? ORDER BY turn, id"
-        return [_load(r) for r in self.db.query(sql, [conversation_id, after_id])]
+        return self._rows("turn_stats", conversation_id, "turn, id", after_id)
 
     @guarded
     def turn_stats_count(self, conversation_id: int, upto_id: int) -> int:

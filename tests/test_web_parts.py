@@ -89,7 +89,7 @@ def test_charts_follow_the_stored_turns_and_mark_settings_changes(manager):
 
 def test_the_charts_read_only_the_turns_stored_since_and_follow_an_undo(manager, monkeypatch):
     """The charts are drawn from the conversation's stored turns twice a reply; in a chat of days that is thousands
-    of rows (5,000 took 80-160 ms to read here). A tab reads them whole once, then only the turns committed since;
+    of rows (5,000 took 77-158 ms to read here). A tab reads them whole once, then only the turns committed since;
     after an undo, or in another conversation, it reads them whole again: what it draws is always what is stored."""
     from kvchat.storage import db
 

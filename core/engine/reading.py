@@ -50,22 +50,24 @@ class SessionReads:
     def _held_counts(self, recalled: torch.Tensor) -> dict[str, int]:
         """The tokens some (layer, KV head) pair's cache holds ("seen"), those every pair holds ("full"), and those
         of the seen that recall brought back (``recalled``, per position), counted over what the cache holds."""
+        held, counts, pairs = self._held()
+        return {"seen": held.numel(), "full": int((counts == pairs).sum()),
+                "recalled_held": int(recalled[held.long()].sum())}
+
+    def _held(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The absolute positions some (layer, KV head) pair's cache holds, ascending, how many pairs hold each, and
+        how many pairs there are."""
         layers = [layer for layer in self.cache.layers if layer.is_initialized]
         if not layers:
-            return {"seen": 0, "full": 0, "recalled_held": 0}
-        pos = torch.cat([layer.positions().flatten().cpu().long() for layer in layers])
-        held, counts = torch.unique(pos[pos >= 0], return_counts=True)
-        return {"seen": held.numel(), "full": int((counts == sum(layer.heads for layer in layers)).sum()),
-                "recalled_held": int(recalled[held].sum())}
+            return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), 0
+        held, counts = torch.unique(torch.cat([layer.positions().flatten() for layer in layers]), return_counts=True)
+        keep = held >= 0
+        return held[keep].cpu(), counts[keep].cpu(), sum(layer.heads for layer in layers)
 
     @locked
     def kept_positions(self) -> torch.Tensor:
         """Absolute positions held by at least one layer/head, ascending."""
-        held = [layer.positions().flatten() for layer in self.cache.layers if layer.is_initialized]
-        if not held:
-            return torch.zeros(0, dtype=torch.long)
-        held = torch.unique(torch.cat(held))
-        return held[held >= 0].cpu()
+        return self._held()[0]
 
     @locked
     def held_fraction(self, start: int = 0) -> torch.Tensor:

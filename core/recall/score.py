@@ -19,7 +19,8 @@ QUERY_ROWS = 64  # the latest query rows of a user message kept for scoring
 CANDIDATES = 512  # past this many groups, a coarse pass (one key per group, a few layers) picks the ones scored
 COARSE_ROWS = 24  # query rows (spread evenly over the message) the coarse pass uses; the full pass uses all
 BLOCK = 4096  # groups the coarse pass multiplies at once: its memory (on a GPU too) is bounded, not the chat's length
-KEPT_LOGITS_MB = 96  # on the CPU the coarse pass's products kept for its second pass: 230,000 groups here
+KEPT_LOGITS_MB = 96  # on the CPU the coarse pass's products kept for its second pass (bf16: 230,000 groups of 3 KV
+# heads x 72 query rows, the default model's long message)
 
 
 def _native_bf16() -> bool:
@@ -159,9 +160,9 @@ def _blocked_shares(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.
     ``BLOCK`` of groups at a time) in bounded memory: past one block, each row's softmax normaliser is summed block by
     block first (log-sum-exp), then each block's shares are taken against it (in fp32, where one block's may be taken
     in bf16: the coarse pass only ranks). On the CPU the first pass's products are kept for the second up to
-    ``KEPT_LOGITS_MB`` and made again past it (docs/recall.md: 30-36% less time kept, at 60,000-156,250 groups). A group's share is the
-    exponential of its best row's normalised logit, taken after the maximum: the same numbers, one exponential per
-    group instead of one per row and group."""
+    ``KEPT_LOGITS_MB`` and made again past it (docs/recall.md: 30-36% less time kept, at 60,000-156,250 groups).
+    A group's share is the exponential of its best row's normalised logit, taken after the maximum: the same
+    numbers, one exponential per group instead of one per row and group."""
     groups = keys.shape[1]
     if groups <= BLOCK:
         return _shares(q, keys.to(q.device), scale, 1, rough=True)
