@@ -26,6 +26,17 @@ MAX_MESSAGE_CHARS = 100_000
 class Chatting:
     """The chat's handlers (``WebApp`` supplies ``_entry``, ``_idle`` and the views they refresh)."""
 
+    def reply(self, text: str, event: gr.EventData, request: gr.Request):
+        """Send, Enter or Retry (one event, see ``Layout._wire``): ``retry`` or ``send``'s outputs, with Send, Retry
+        and Undo greyed while the reply streams (``buttons_back`` gives them back when the event ends)."""
+        run = self.retry(request) if event.target is self.retry_button else self.send(text, request)
+        for out in run:
+            yield [*out, *[gr.update(interactive=False)] * 3]
+
+    @staticmethod
+    def buttons_back():
+        return [gr.update(interactive=True)] * 3
+
     def send(self, text: str, request: gr.Request):
         key = request.session_hash
         yield from self._stream(key, text)
@@ -47,7 +58,10 @@ class Chatting:
         entry.busy = True
         shown = chat_messages(s) + [{"role": "user", "content": text}, {"role": "assistant", "content": "▌"}]
         yield [shown, ""] + keep
-        answer, last_chart, last_shown, t0, n, before = "", 0.0, 0.0, time.perf_counter(), 0, None
+        answer, last_shown, t0, n, before = "", 0.0, time.perf_counter(), 0, None
+        # The first chart a second into the reply, not with its first token: the browser draws the plot before the
+        # chat, which showed that token ~300 ms later (docs/usage.md).
+        last_chart = t0
         stored = stored_turns(s, self.manager.store, entry.stored)  # unchanged until the reply commits
         failed = broken = unread = None
         try:

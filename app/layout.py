@@ -175,11 +175,15 @@ class Layout:
 
         demo.load(self.load, None, views + settings_outputs, **model_queue)
         demo.unload(self.unload)
-        chat.send.click(self.send, [chat.text], stream_outputs, **model_queue)
-        chat.text.submit(self.send, [chat.text], stream_outputs, **model_queue)
+        # Send, Enter and Retry are one event: while its reply streams the browser drops another trigger of it (the
+        # default trigger mode), and Send, Retry and Undo are greyed until the event ends, however it ends; Stop
+        # stays. (Two events let Enter queue a message behind a reply that a click on Send dropped unseen.)
+        self.retry_button = chat.retry
+        buttons = [chat.send, chat.retry, chat.undo]
+        gr.on([chat.send.click, chat.text.submit, chat.retry.click], self.reply, [chat.text], stream_outputs + buttons,
+              trigger_mode="once", **model_queue).then(self.buttons_back, None, buttons, queue=False)
         chat.stop.click(self.stop, None, None, queue=False)
         chat.undo.click(self.undo, None, stream_outputs, **model_queue)
-        chat.retry.click(self.retry, None, stream_outputs, **model_queue)
 
         settings_out = [chat.plot, chat.heads, chat.cache_html, status, info, side.conversations]
         panel.policy.input(self.policy_changed, [panel.policy], [*panel.params, panel.summary]).then(

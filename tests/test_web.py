@@ -436,6 +436,33 @@ def test_enter_sends_and_shift_enter_starts_a_new_line(browser, server):
         context.close()
 
 
+def test_while_a_reply_streams_only_stop_is_offered(browser, server):
+    """While a reply streams Send, Retry and Undo are greyed and Enter sends nothing: the next message waits in the
+    input (before, a click on Send was dropped unseen while Enter queued the message behind the reply). Stop ends the
+    reply and gives the buttons back; nothing queued is sent after it."""
+    context, page = _open(browser, server.url)
+    try:
+        _set_number(page, "kv-max-new", "2000")
+        page.fill("#kv-input textarea", "Tell me a very long story about a cat who keeps a lighthouse.")
+        page.click("#kv-send")
+        page.wait_for_function("() => { const m = [...document.querySelectorAll('#kv-chat .bot.message')];"
+                               " return m.length === 1 && m[0].innerText.trim().length > 20; }")
+        assert [page.is_disabled(f"#kv-{b}") for b in ("send", "retry", "undo", "stop")] == [True] * 3 + [False]
+        page.fill("#kv-input textarea", "My budget is 1200 euros.")
+        page.press("#kv-input textarea", "Enter")
+        before = _state(page)
+        page.click("#kv-stop")
+        _wait_done(page, before)
+        page.wait_for_function("() => !document.querySelector('#kv-send').disabled")
+        assert "stopped by" in _status(page)
+        time.sleep(1.5)  # a message queued behind the reply would be on its way by now
+        assert page.input_value("#kv-input textarea") == "My budget is 1200 euros."
+        assert page.locator("#kv-chat .user.message").count() == 1
+        assert not any(page.is_disabled(f"#kv-{b}") for b in ("send", "retry", "undo"))
+    finally:
+        context.close()
+
+
 # Four tabs, each with its own word, policy and budget (none of them the server's default policy).
 FOUR = [("alpha", "streaming", 64), ("bravo", "h2o", 80), ("charlie", "snapkv", 96), ("delta", "window", 112)]
 WORDS = [word for word, _, _ in FOUR] + ["echo", "foxtrot"]

@@ -392,6 +392,25 @@ def test_a_reply_that_fails_midway_reopens_the_conversation_and_says_so(web, mon
     assert len(web.manager.store.messages(again.conversation_id)) == len(stored) + 2
 
 
+def test_the_first_token_goes_to_the_page_without_the_charts(web, monkeypatch):
+    """The yield that carries a reply's first token carries no charts (the browser drew the plot before the chat,
+    which showed the token ~300 ms later); they come a second into the reply (CHART_EVERY_S), and with its end."""
+    from types import SimpleNamespace
+
+    from kvchat.app import chatting
+
+    clock = iter(range(40_000, 50_000))  # the handler's clock: 0.25 s a reading, from 10,000 s (as after a boot)
+    monkeypatch.setattr(chatting, "time", SimpleNamespace(perf_counter=lambda: next(clock) / 4))
+    session = web.manager.entry("a").session
+    session.sampling = Sampling(max_new_tokens=24, temperature=0.0)
+    outs = list(web.send("Tell me about the kite", _Request("a")))
+    streamed = [o for o in outs if isinstance(o[0], list) and o[0][-1]["content"].endswith(" ▌")]
+    assert len(streamed) >= 8 and session.history[-1].new_tokens == 24
+    has_chart = [not (isinstance(o[2], dict) and o[2].get("__type__") == "update") for o in streamed]
+    assert has_chart[0] is False and any(has_chart[1:]), has_chart
+    assert not isinstance(outs[-1][2], dict)  # the end draws them
+
+
 def test_stop_while_a_long_message_is_read_gives_the_message_back(web, monkeypatch):
     """Stop pressed while the model still reads a long message: the read stops between two chunks, the chat pane and
     the stored conversation are as before it, the message is back in the input, and the tab chats on."""
