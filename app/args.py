@@ -206,6 +206,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     conv.add_argument("id", nargs="?", type=int)
     conv.add_argument("title", nargs="?", help="new title (rename)")
     conv.add_argument("--db", default=None)
+    conv.add_argument("--search", default="", metavar="TEXT",
+                      help="list only the conversations whose title or any message contains TEXT")
     conv.add_argument("--output", "-o", default=None, help="export to this file instead of stdout")
     conv.add_argument("--json", action="store_true")
 

@@ -27,7 +27,7 @@ class Chatting:
     """The chat's handlers (``WebApp`` supplies ``_entry``, ``_idle`` and the views they refresh)."""
 
     def reply(self, text: str, event: gr.EventData, request: gr.Request):
-        """Send, Enter or Retry (one event, see ``Layout._wire``): ``retry`` or ``send``'s outputs, with Send, Retry
+        """Send, Enter or Retry (one event, wired in app/layout.py): ``retry`` or ``send``'s outputs, with Send, Retry
         and Undo greyed while the reply streams (``buttons_back`` gives them back when the event ends)."""
         run = self.retry(request) if event.target is self.retry_button else self.send(text, request)
         for out in run:
@@ -103,7 +103,7 @@ class Chatting:
                     f"reopened at its last saved turn, and your message is back in the input")
             gr.Warning(note)
             yield [chat_messages(s), text, self._charts(entry), self._head_map(entry), cache_view(s),
-                   self._conversations(entry), _error(note), self._info(key, entry)]
+                   self._conversations(key, entry), _error(note), self._info(key, entry)]
             return
         if failed is not None:
             text = (f"the reply was not saved: {failed}. It stays in this tab and is saved with the next turn that "
@@ -121,7 +121,7 @@ class Chatting:
                   + f"; stopped by {res.stopped}")
         status = "; ".join([status] + res.warnings)
         yield [chat_messages(s), gr.skip(), self._charts(entry), self._head_map(entry), cache_view(s),
-               self._conversations(entry), status, self._info(key, entry)]
+               self._conversations(key, entry), status, self._info(key, entry)]
 
     @staticmethod
     def _read_first(gen, session):

@@ -51,13 +51,16 @@ def cmd_conversations(args) -> int:
     path = db_path(args.db)
     if not path.exists() and (args.db is not None or args.action != "list"):  # (none stored yet: an empty list)
         raise CLIError(f"no database at {path}")
+    if args.search and args.action != "list":
+        raise CLIError(f"--search lists conversations: it goes with list, not {args.action}")
     if args.action == "list":
-        rows = Store(path).conversations() if path.exists() else []
+        rows = Store(path).conversations(args.search) if path.exists() else []
         if args.json:
             print(json.dumps(rows))
             return 0
         if not rows:
-            print(f"no conversations yet (kvchat stores them in {path})")
+            print(f"no conversations with “{args.search.strip()}” in {path}" if args.search.strip() else
+                  f"no conversations yet (kvchat stores them in {path})")
         for r in rows:
             s = r["settings"] or {}
             print(f"{r['id']:5d}  {r['updated_at'][:19]}  {r['messages']:4d} msgs {r['total_tokens']:7d} tok "

@@ -95,6 +95,8 @@ class Layout:
             ui.new = gr.Button("New conversation", variant="primary", elem_id="kv-new")
             ui.system = gr.Textbox(label="System prompt for new conversations", lines=2,
                                    placeholder="empty: the model's default", elem_id="kv-system")
+            ui.search = gr.Textbox(label="Search saved conversations", max_lines=1, elem_id="kv-search",
+                                   placeholder="a word of a title or of any message")
             ui.conversations = gr.Radio(label="Saved", choices=[], elem_id="kv-conversations")
             with gr.Row():
                 ui.open = gr.Button("Open", size="sm", elem_id="kv-open")
@@ -198,6 +200,8 @@ class Layout:
         side.new.click(self.new_conversation, [side.system], opened, **model_queue)
         chat.chatbot.clear(self.new_conversation, [side.system], opened, **model_queue)
         side.open.click(self.open_conversation, [side.conversations], opened, **model_queue)
+        side.search.change(self.search_conversations, [side.search], [side.conversations], trigger_mode="always_last",
+                          show_progress="hidden")
         side.rename.click(self.rename, [side.conversations, side.title], [side.conversations, status, side.title])
         side.delete.click(self.delete, [side.conversations], views)
         side.export.click(self.export, [side.conversations], [side.export_file, status])

@@ -29,6 +29,13 @@ from .layout import CSS, Layout, theme  # noqa: E402
 from .views import Live, cache_view, charts, chat_messages, error_html as _error, head_map, stored_turns  # noqa: E402
 
 
+#: Conversations the saved list shows at once, the last used first; its search reaches the others. The page draws
+#: the whole list again after every reply: with 1,000 listed its status line came 535 ms after the last token, with
+#: 100 191-209 ms (docs/usage.md).
+LIST_LIMIT = 100
+MAX_SEARCH_CHARS = 200
+
+
 class WebApp(Layout, Chatting):
     """The UI's event handlers over a SessionManager; ``build()`` lays out the Blocks and wires the events."""
 
@@ -39,6 +46,7 @@ class WebApp(Layout, Chatting):
         # the conversations exported for download; removed with the app (at exit at the latest), not left in /tmp
         self._exports = tempfile.TemporaryDirectory(prefix="kvchat-export-")
         self.export_dir = Path(self._exports.name)
+        self.searches: dict[str, str] = {}  # each tab's search of its saved list (by Gradio session), "" for none
 
     # -- the views one handler refreshes ----------------------------------------------------------------------------
     def _info(self, key: str, entry: Entry) -> str:
@@ -52,18 +60,30 @@ class WebApp(Layout, Chatting):
                 f"{st['cache_tokens']:,} / {limit} positions, {st['cache_bytes'] / 2**20:.1f} MB · "
                 f"{st['total_tokens']:,} tokens in the conversation")
 
-    def _conversation_choices(self):
-        out = []
-        for c in self.manager.store.conversations():
+    def _conversations(self, key: str, entry: Entry | None = None, value: int | None = None):
+        """The saved list of the tab ``key``: the ``LIST_LIMIT`` last used of the conversations its search finds,
+        its label saying how many there are; ``value`` (else the tab's conversation) chosen where listed."""
+        store, search = self.manager.store, self.searches.get(key, "")
+        choices = []
+        for c in store.conversations(search, limit=LIST_LIMIT):
             when = (c["updated_at"] or "")[:16].replace("T", " ")
             label = (f"#{c['id']} {c['title']} · {c['total_tokens']:,} tokens, {c['disk_bytes'] / 2**20:.1f} MB on "
                      f"disk · {c['settings'].get('policy', '?')} · {when}")
-            out.append((label, c["id"]))
-        return out
+            choices.append((label, c["id"]))
+        total = store.conversation_count(search) if len(choices) == LIST_LIMIT else len(choices)
+        shown = f"the {len(choices)} last used of {total:,}" if total > len(choices) else f"{total:,}"
+        label = (f"Saved: {shown} with “{search}”" if search else
+                 f"Saved: {shown} (search for the others)" if total > len(choices) else "Saved")
+        if value is None and entry is not None:
+            value = entry.session.conversation_id
+        return gr.update(choices=choices, label=label, value=value if value in {c[1] for c in choices} else None)
 
-    def _conversations(self, entry: Entry | None):
-        value = entry.session.conversation_id if entry is not None else None
-        return gr.update(choices=self._conversation_choices(), value=value)
+    def search_conversations(self, text: str, request: gr.Request):
+        """The search box: the tab's saved list narrowed to the conversations whose title or any message contains
+        the text (all of them again when it is emptied)."""
+        key = request.session_hash
+        self.searches[key] = (text or "").strip()[:MAX_SEARCH_CHARS]
+        return self._conversations(key, self.manager.get(key))
 
     def _charts(self, entry: Entry, live: Live | None = None, stored=None):
         stored = stored or stored_turns(entry.session, self.manager.store, entry.stored)
@@ -90,7 +110,7 @@ class WebApp(Layout, Chatting):
     def _all(self, key: str, entry: Entry, status: str = "") -> list:
         """chat, charts, head map, cache view, conversations, status, info."""
         return [chat_messages(entry.session), self._charts(entry), self._head_map(entry), cache_view(entry.session),
-                self._conversations(entry), status, self._info(key, entry)]
+                self._conversations(key, entry), status, self._info(key, entry)]
 
     def _blank(self, status: str) -> list:
         return [gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), _error(status), gr.skip()]
@@ -105,6 +125,7 @@ class WebApp(Layout, Chatting):
         return self._all(key, entry, "") + self._settings_values(entry)
 
     def unload(self, request: gr.Request):
+        self.searches.pop(request.session_hash, None)
         self.manager.release(request.session_hash)
 
     def _entry(self, key: str) -> Entry:
@@ -154,7 +175,7 @@ class WebApp(Layout, Chatting):
             status = "settings unchanged"
         s = entry.session
         return [self._charts(entry), self._head_map(entry), cache_view(s), status, self._info(key, entry),
-                self._conversations(entry) if applied else gr.skip()]
+                self._conversations(key, entry) if applied else gr.skip()]
 
     def apply_settings_on_blur(self, request: gr.Request, *values):
         """Leaving a field applies it too, silently when nothing changed."""
@@ -217,7 +238,7 @@ class WebApp(Layout, Chatting):
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
             return gr.skip(), _error(str(exc)), gr.skip()
-        return (gr.update(choices=self._conversation_choices(), value=conversation_id),
+        return (self._conversations(request.session_hash, value=int(conversation_id)),
                 f"renamed conversation #{conversation_id}", "")
 
     def delete(self, conversation_id, request: gr.Request):

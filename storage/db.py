@@ -232,14 +232,26 @@ class Store:
         return _load(rows[0])
 
     @guarded
-    def conversations(self) -> list[dict]:
-        sql = """SELECT c.id, c.title, c.model, c.settings, c.total_tokens, c.next_turn, c.created_at, c.updated_at,
-                        c.archive, (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS messages
-                 FROM conversations c ORDER BY c.updated_at DESC"""
-        rows = [_load(r) for r in self.db.query(sql)]
+    def conversations(self, search: str = "", limit: int | None = None) -> list[dict]:
+        """The stored conversations, the last used first, each with its message count and what it keeps beside the
+        database (``disk_bytes``): those whose title or any message contains ``search`` (``_matching``), at most
+        ``limit`` of them."""
+        where, params = _matching(search)
+        sql = f"""SELECT c.id, c.title, c.model, c.settings, c.total_tokens, c.next_turn, c.created_at, c.updated_at,
+                         c.archive, (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS messages
+                  FROM conversations c {where} ORDER BY c.updated_at DESC, c.id DESC"""
+        if limit is not None:
+            sql, params = sql + " LIMIT ?", params + [limit]
+        rows = [_load(r) for r in self.db.query(sql, params)]
         for r in rows:  # what each keeps beside the database: its cache's rows, state file and recall's digests
             r["disk_bytes"] = tree_size(self.archive_folder(r["archive"])) if r.get("archive") else 0
         return rows
+
+    @guarded
+    def conversation_count(self, search: str = "") -> int:
+        """How many stored conversations ``conversations(search)`` lists without a limit."""
+        where, params = _matching(search)
+        return self.db.execute(f"SELECT COUNT(*) FROM conversations c {where}", params).fetchone()[0]
 
     def _rows(self, table: str, conversation_id: int, order: str, after_id: int = 0) -> list[dict]:
         sql = f"SELECT * FROM {table} WHERE conversation_id = ? AND id > ? ORDER BY {order}"
@@ -276,3 +288,15 @@ class Store:
         no such conversation (not an empty script)."""
         self.conversation(conversation_id)
         return [{m["role"]: m["text"]} for m in self.messages(conversation_id)]
+
+
+def _matching(search: str) -> tuple[str, list]:
+    """The WHERE clause (and its parameters) of the conversations whose title or any message contains ``search``,
+    its spaces at either end left out and LIKE's wildcards in it taken as themselves; SQLite's LIKE ignores the case
+    of ASCII letters only. Nothing for an empty search: all of them."""
+    text = search.strip()
+    if not text:
+        return "", []
+    pattern = "%" + text.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+    return ("WHERE c.title LIKE ? ESCAPE '\\' OR EXISTS (SELECT 1 FROM messages m WHERE m.conversation_id = c.id "
+            "AND m.text LIKE ? ESCAPE '\\')", [pattern, pattern])

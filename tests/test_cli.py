@@ -156,6 +156,12 @@ def test_conversations_list_show_export(model_dir, tmp_path, capsys):
     assert conv["disk_bytes"] == on_disk > 0 and f"{on_disk / 2**20:7.1f} MB" in out
     code, out, _ = _run(capsys, "conversations", "list", "--db", db, "--json")
     assert [r["disk_bytes"] for r in json.loads(out)] == [on_disk]
+    code, out, _ = _run(capsys, "conversations", "list", "--db", db, "--search", "ALICE")  # a message's word
+    assert code == 0 and "s.jsonl" in out
+    code, out, _ = _run(capsys, "conversations", "list", "--db", db, "--search", "Zanzibar")
+    assert code == 0 and out.startswith("no conversations with “Zanzibar”")
+    code, _, err = _run(capsys, "conversations", "show", cid, "--db", db, "--search", "x")
+    assert code == 2 and "--search lists conversations: it goes with list" in err
     code, out, _ = _run(capsys, "conversations", "show", cid, "--db", db)
     assert "[user] My name is Alice." in out
     code, _, _ = _run(capsys, "conversations", "export", cid, "--db", db, "-o", tmp_path / "x.jsonl")

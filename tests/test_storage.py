@@ -42,6 +42,35 @@ def test_turns_messages_stats_and_events_are_stored(tiny, tmp_path):
     assert store.db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
 
+def test_the_saved_list_finds_a_conversation_by_its_title_or_any_message(tiny, tmp_path):
+    """``conversations(search, limit)``: the last used first, those whose title or any message holds the text (ASCII
+    case ignored; ``%`` and ``_`` are plain characters, not LIKE's wildcards), at most ``limit``, and
+    ``conversation_count`` how many there are without the limit."""
+    store = Store(tmp_path / "kv.db")
+    chats = [("Trip to Lisbon: 100% booked", "Where do we stay?"), ("Groceries", "Buy KESTREL brand tea_bags."),
+             ("Kites", "How do kites fly?"), ("Taxes", "What is due in April?")]
+    ids = []
+    for title, text in chats:  # each used after the one before
+        s = Session(tiny("llama"), SETTINGS, store=store, sampling=GREEDY)
+        s.exchange(text, "Noted.")
+        store.rename(s.conversation_id, title)
+        ids.append(s.conversation_id)
+        s.close()
+    last_first = ids[::-1]
+
+    def found(search, limit=None):
+        return [r["id"] for r in store.conversations(search, limit)]
+
+    assert found("") == found("   ") == last_first and store.conversation_count("") == 4
+    assert found("lisbon") == found("LISBON") == [ids[0]]  # the title
+    assert found("kestrel") == found("tea_bags") == [ids[1]]  # a message
+    assert found("100%") == [ids[0]] and found("%") == [ids[0]] and found("_") == [ids[1]]
+    assert found("t_a") == found("1%0") == [] and store.conversation_count("1%0") == 0  # as wildcards: "tea", "100"
+    assert found("kite") == [ids[2]] and found("noted.") == last_first  # every reply says it
+    assert found("", limit=2) == last_first[:2] and found("noted", limit=3) == last_first[:3]
+    assert store.conversation_count("noted") == 4
+
+
 def test_a_system_prompt_alone_creates_no_conversation(tiny, tmp_path):
     store = Store(tmp_path / "kv.db")
     Session(tiny("llama"), SETTINGS, store=store)

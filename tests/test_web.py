@@ -290,6 +290,17 @@ def test_reload_reopens_a_conversation_from_the_list_and_exports_it(browser, ser
         item = page.locator("#kv-conversations label", has_text=f"#{cid} Remember this")
         assert "tokens" in item.inner_text() and "streaming" in item.inner_text()
         _shot(page, "05-conversation-list")
+        # The search narrows the list to the conversations with a word in their title or any message.
+        search = page.locator("#kv-search textarea, #kv-search input")
+        saved = "document.querySelector('#kv-conversations').innerText"
+        search.fill("LISBON")
+        page.wait_for_function(f"() => {saved}.includes('Saved: 1 with “LISBON”')")
+        assert page.locator("#kv-conversations input[type=radio]").count() == 1 and item.is_visible()
+        search.fill("a word no message has")
+        page.wait_for_function(f"() => {saved}.includes('Saved: 0 with')")
+        assert page.locator("#kv-conversations input[type=radio]").count() == 0
+        search.fill("")
+        page.wait_for_function(f"() => !{saved}.includes(' with ') && {saved}.includes('Remember this')")
         item.click()
         before = _state(page)
         page.click("#kv-open")

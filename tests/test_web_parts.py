@@ -312,6 +312,33 @@ def test_the_saved_list_follows_a_settings_change(web):
     assert "choices" not in web.apply_settings(request, *_values(web, s, budget=None))[5]  # an error: left as is
 
 
+def test_the_saved_list_shows_the_last_used_and_a_search_finds_the_others(web, monkeypatch):
+    """The saved list shows the ``LIST_LIMIT`` last used conversations and says how many there are; the tab's search
+    narrows it (titles and messages) and holds for the lists its later replies draw; the tab's own conversation is
+    chosen only where it is listed."""
+    from kvchat.app import web as web_module
+
+    monkeypatch.setattr(web_module, "LIST_LIMIT", 2)
+    request = _Request("a")
+    ids = []
+    for text in ("Plan the trip to Lisbon.", "Buy tea and milk.", "How do kites fly?"):
+        s = web.manager.new("a").session
+        s.exchange(text, "Noted.")
+        ids.append(s.conversation_id)
+    out = web._conversations("a", web.manager.get("a"))
+    assert [cid for _, cid in out["choices"]] == [ids[2], ids[1]] and out["value"] == ids[2]
+    assert out["label"] == "Saved: the 2 last used of 3 (search for the others)"
+    out = web.search_conversations("  LISBON ", request)
+    assert [cid for _, cid in out["choices"]] == [ids[0]] and out["value"] is None  # the tab's own is not listed
+    assert out["label"] == "Saved: 1 with “LISBON”"
+    out = list(web.send("And the hotel?", request))[-1][5]  # a reply's list: still the search's
+    assert [cid for _, cid in out["choices"]] == [ids[0]]
+    assert web.search_conversations("zzz", request)["choices"] == []
+    assert web.search_conversations("", request)["label"] == "Saved: the 2 last used of 3 (search for the others)"
+    web.unload(request)
+    assert "a" not in web.searches
+
+
 def test_a_conversation_another_process_has_open_is_refused_in_the_page(web):
     """A terminal chat (another kvchat process) has the conversation open: opening or deleting it in the web UI is
     a visible error (two processes wrote turns on top of each other's state), and works once that process ends."""
