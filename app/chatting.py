@@ -15,7 +15,9 @@ from ..core.engine.session import ReadStopped, memory_mb
 from .sessions import USER_ERRORS
 from .views import Live, cache_view, chat_messages, error_html as _error, stored_turns
 
-CHART_EVERY_S = 1.0  # chart refresh while a reply streams
+#: The charts' refresh while a reply streams: each one held the page's drawing of the reply 0.3-0.47 s on this
+#: machine (every second, a 300-token reply froze 7 times; docs/usage.md).
+CHART_EVERY_S = 3.0
 SHOW_EVERY_S = 0.05  # the streamed reply is shown at most this often (the tokens between come with the next)
 READING_EVERY_S = 0.5  # how often the status says how far a long message's read got
 #: Longer messages are refused: the browser's text box and the chat pane, which shows each message whole, slow down
@@ -59,8 +61,8 @@ class Chatting:
         shown = chat_messages(s) + [{"role": "user", "content": text}, {"role": "assistant", "content": "▌"}]
         yield [shown, ""] + keep
         answer, last_shown, t0, n, before = "", 0.0, time.perf_counter(), 0, None
-        # The first chart a second into the reply, not with its first token: the browser draws the plot before the
-        # chat, which showed that token ~300 ms later (docs/usage.md).
+        # The first chart CHART_EVERY_S into the reply, not with its first token: the browser draws the plot before
+        # the chat, which showed that token ~300 ms later (docs/usage.md).
         last_chart = t0
         stored = stored_turns(s, self.manager.store, entry.stored)  # unchanged until the reply commits
         failed = broken = unread = None

@@ -105,7 +105,7 @@ def charts(session: Session, stored: tuple[list[dict], list[dict]], rss: dict[in
     rss_turns = [t for t in turns if t in rss]
     rss_vals = [rss[t] for t in rss_turns]
     # A point per turn up to CHART_POINTS turns, then a point per k turns: sizes and bounds their largest,
-    # speed and tokens per turn their mean (the charts are drawn again every second while a reply streams)
+    # speed and tokens per turn their mean (the charts are drawn again every few seconds while a reply streams)
     k = max(1, -(-len(rows) // CHART_POINTS))
     points = [r["turn"] for r in rows][k - 1::k] + ([rows[-1]["turn"]] if len(rows) % k else [])
     tokens, mbytes, disk, archive, budgets, caps = (_every(v, k, max) for v in (tokens, mbytes, disk, archive,

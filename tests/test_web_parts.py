@@ -170,7 +170,7 @@ def test_chat_messages_carry_token_counts(manager):
 
 
 def test_a_long_conversation_is_drawn_in_bounded_pieces(manager, monkeypatch):
-    """The chat pane and the charts are sent and drawn again with every streamed token and every second: a
+    """The chat pane and the charts are sent and drawn again with every streamed token and every few seconds: a
     conversation of 6,001 messages took 13 s to open in the browser, and a reply in it did not finish in 2 minutes.
     The pane shows the last messages after a note of how many came before; the charts a point per k turns past
     CHART_POINTS, keeping each run's peak (the bound a person checks) and its mean speed and evictions."""
@@ -421,7 +421,7 @@ def test_a_reply_that_fails_midway_reopens_the_conversation_and_says_so(web, mon
 
 def test_the_first_token_goes_to_the_page_without_the_charts(web, monkeypatch):
     """The yield that carries a reply's first token carries no charts (the browser drew the plot before the chat,
-    which showed the token ~300 ms later); they come a second into the reply (CHART_EVERY_S), and with its end."""
+    which showed the token ~300 ms later); they come CHART_EVERY_S into the reply, and with its end."""
     from types import SimpleNamespace
 
     from kvchat.app import chatting
