@@ -83,6 +83,8 @@ def _chat_help() -> str:
              "  /budget N                      change the budget (a smaller one compresses now)",
              "  /set key=value ...             change settings (below) or the running policy's parameters, e.g.",
              "                                 /set temperature=0.3 top_k=40",
+             "  /undo                          take back the last exchange (the cache as it was before it)",
+             "  /retry                         take it back and answer its message again",
              "  /stats                         cache and conversation statistics",
              "  /help, /quit                   (a line ending in \\ continues on the next line; Ctrl-C stops a reply)",
              f"  {BLOCK + ' ... ' + BLOCK:30s} a message typed over several lines (a paste is one as it is)",
@@ -148,15 +150,35 @@ def _set(session, pairs: list[str]) -> dict:
     return {**applied, **{k: v for k, v in new_sampling.as_dict().items() if getattr(before, k) != v}}
 
 
-def _chat_command(session, line: str) -> bool:
-    """Run a /command; False to quit."""
+def _take_back(session, retry: bool = False) -> str:
+    """``/undo`` and ``/retry``: the last exchange taken back (``Session.undo``: the cache, token log and stored
+    conversation as before it); returns its message. ValueError where the last turn is not a reply of this chat."""
+    if not session.undo_enabled:
+        raise ValueError(f"nothing to {'retry' if retry else 'undo'}: this chat keeps no undo copy (--no-undo)")
+    last = session.history[-1] if session.history else None
+    if last is None or last.role != "assistant" or not session.can_undo:
+        raise ValueError(f"nothing to {'retry' if retry else 'undo'}: only the last reply of this chat can be taken "
+                         "back, once")
+    return next((m["content"] for m in session.undo() if m["role"] == "user"), "")
+
+
+def _chat_command(session, line: str) -> bool | str:
+    """Run a /command: False to quit, the message to answer again for ``/retry``, else True."""
     parts = shlex.split(line[1:])
     if not parts:
         return True
     cmd, rest = parts[0], parts[1:]
     if cmd in ("quit", "exit", "q"):
         return False
-    if cmd == "help":
+    if cmd in ("undo", "retry"):
+        if rest:
+            raise CLIError(f"/{cmd} takes nothing after it")
+        message = _take_back(session, retry=cmd == "retry")
+        if cmd == "retry":
+            return message
+        shown = message if len(message) <= 300 else message[:300] + " …"
+        print(f"  taken back: your message and its reply; the cache is as it was before them. It was:\n  {shown}")
+    elif cmd == "help":
         print(CHAT_HELP)
     elif cmd == "stats":
         for k, v in session.stats().items():
@@ -202,12 +224,12 @@ def cmd_chat(args) -> int:
     settings, sampling, model = prepare(args, check_settings=args.resume is None)
     store = Store(db_path(args.db))
     if args.resume is not None:
-        session = Session.resume(model, store, args.resume, sampling=sampling)
+        session = Session.resume(model, store, args.resume, sampling=sampling, undo=not args.no_undo)
         print(f"resumed conversation {args.resume} ({len(session.messages)} messages, cache restored from "
               f"{session.restored_from}, {session.cache_tokens} tokens)", file=sys.stderr)
     else:
         session = Session(model, settings, system=args.system or "default", store=store, sampling=sampling,
-                          seed=args.seed)
+                          seed=args.seed, undo=not args.no_undo)
     try:
         if args.resume is not None and (applied := session.configure(**resumed_changes(args, session.settings))):
             print(f"changed from its stored settings: {applied}", file=sys.stderr)
@@ -226,9 +248,11 @@ def cmd_chat(args) -> int:
                 continue
             try:
                 if line.startswith("/"):
-                    if not _chat_command(session, line):
+                    if (done := _chat_command(session, line)) is False:
                         break
-                    continue
+                    if done is True:
+                        continue
+                    line = done  # /retry: its message answered again
                 gen = session.reply(line)
             except ValueError as exc:
                 print(f"kvchat: error: {exc}", file=sys.stderr)

@@ -720,6 +720,37 @@ def test_ctrl_c_in_the_terminal_chat_stops_the_reply_and_keeps_it(decode, tokeni
     capsys.readouterr()
 
 
+def test_undo_and_retry_in_the_terminal_chat(model_dir, tmp_path, monkeypatch, capsys):
+    """``/undo`` takes the last exchange back (its message shown again; the stored conversation loses it) and
+    ``/retry`` answers its message again (greedy: the same reply, stored once); once only, and not with --no-undo."""
+    from kvchat.app.args import build_parser
+    from kvchat.app.terminal import cmd_chat
+
+    def chat(db, lines, *flags):
+        feed = iter(lines)
+        monkeypatch.setattr("builtins.input", lambda prompt="": next(feed))
+        args = build_parser().parse_args(["chat", "--model", str(model_dir), "--db", str(db), "--budget", "48",
+                                          "--window", "8", "--max-new-tokens", "6", "--temperature", "0", *flags])
+        assert cmd_chat(args) == 0
+        return capsys.readouterr()
+
+    db = tmp_path / "kv.db"
+    out, err = chat(db, ["My cat is called Pixel.", "/undo", "/undo", "Tell me about the sea", "/retry", "/retry x",
+                         "/quit"])
+    assert "taken back: your message and its reply; the cache is as it was before them. It was:\n  My cat is " \
+           "called Pixel." in out
+    assert "kvchat: error: nothing to undo: only the last reply of this chat can be taken back, once" in err
+    assert "kvchat: error: /retry takes nothing after it" in err
+    replies = out.split("bot> ")[1:]  # each reply's line ends on stderr, with its numbers
+    assert len(replies) == 3 and replies[1] == replies[2] != ""
+    (conv,) = Store(db).conversations()
+    stored = [(m["role"], m["text"]) for m in Store(db).messages(conv["id"]) if m["role"] != "system"]
+    assert [role for role, _ in stored] == ["user", "assistant"] and stored[0][1] == "Tell me about the sea"
+    out, err = chat(tmp_path / "other.db", ["Hello", "/retry", "/quit"], "--no-undo")
+    assert "kvchat: error: nothing to retry: this chat keeps no undo copy (--no-undo)" in err
+    assert out.count("bot> ") == 1
+
+
 def test_a_reply_that_fails_midway_in_the_terminal_chat_reopens_and_goes_on(model_dir, tmp_path, monkeypatch, capsys):
     """``kvchat chat``: a model step that raises mid-reply (out of GPU memory, say) is a one-line error, the
     conversation is reopened at its last saved turn, and the next message is answered and saved; it used to end
