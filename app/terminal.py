@@ -150,6 +150,18 @@ def _set(session, pairs: list[str]) -> dict:
     return {**applied, **{k: v for k, v in new_sampling.as_dict().items() if getattr(before, k) != v}}
 
 
+def _stat(key: str, value) -> str:
+    """One ``/stats`` value as a person reads it: sizes in MiB (and bytes), counts with separators, settings and
+    parameters as key=value."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if key.endswith("_bytes"):
+        return f"{value / 2**20:,.1f} MiB ({value:,} bytes)"
+    return f"{value:,.1f}" if isinstance(value, float) else f"{value:,}"
+
+
 def _take_back(session, retry: bool = False) -> str:
     """``/undo`` and ``/retry``: the last exchange taken back (``Session.undo``: the cache, token log and stored
     conversation as before it); returns its message. ValueError where the last turn is not a reply of this chat."""
@@ -182,7 +194,7 @@ def _chat_command(session, line: str) -> bool | str:
         print(CHAT_HELP)
     elif cmd == "stats":
         for k, v in session.stats().items():
-            print(f"  {k}: {v}")
+            print(f"  {k}: {_stat(k, v)}")
     elif cmd in ("policy", "budget", "set"):
         if cmd == "policy":
             if not rest:

@@ -676,6 +676,12 @@ def test_chat_set_changes_cache_and_sampling_settings(tiny, capsys):
         assert (session.settings, session.sampling) == before, line
     _chat_command(session, "/set temperature=0.3")
     assert "no change" in capsys.readouterr().out
+    session.chat("Hello there")
+    _chat_command(session, "/stats")  # as a person reads it: sizes in MiB, counts with separators, key=value
+    out = capsys.readouterr().out
+    nbytes = session.stats()["cache_bytes"]
+    assert f"  cache_bytes: {nbytes / 2**20:,.1f} MiB ({nbytes:,} bytes)\n" in out
+    assert "  settings: policy=streaming, params={}, budget=64, sink=4, window=16, " in out
 
 
 @pytest.mark.parametrize("decode", ["auto", "graph"])  # graph: the step that runs ahead of the host (a GPU's)
