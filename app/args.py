@@ -127,6 +127,15 @@ def settings_from_args(args) -> Settings:
     return Settings(params=_params(args, given.get("policy", Settings.policy)), **given)
 
 
+def settings_text(values: dict) -> str:
+    """Settings, or changes to them, as key=value, a policy's parameters (``params``) among them: what the terminal
+    and replay print of a change."""
+    items = []
+    for k, v in values.items():
+        items.extend(v.items() if k == "params" and isinstance(v, dict) else [(k, v)])
+    return ", ".join(f"{k}={v}" for k, v in items)
+
+
 def resumed_changes(args, settings: Settings) -> dict:
     """The cache flags given with ``--resume``, as changes to the resumed conversation's ``settings`` for
     ``Session.configure`` (as ``/policy`` and ``/set`` make them; its policy's parameters kept unless the policy

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS
 from ..policies import POLICIES, Param
-from .args import CLIError, build_parser, db_path, load, prepare, resumed_changes
+from .args import CLIError, build_parser, db_path, load, prepare, resumed_changes, settings_text
 
 EXIT_USAGE = 2
 
@@ -135,7 +135,7 @@ def cmd_replay(args) -> int:
             session = Session.resume(model, store, args.resume, sampling=sampling)
             try:
                 if applied := session.configure(**resumed_changes(args, session.settings)):
-                    tqdm.write(f"changed from its stored settings: {applied}", file=sys.stderr)
+                    tqdm.write(f"changed from its stored settings: {settings_text(applied)}", file=sys.stderr)
             except BaseException:
                 session.close()
                 raise

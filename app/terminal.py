@@ -11,7 +11,7 @@ import time
 from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS, SETTINGS
 from ..core.engine.turns import ReadStopped, TurnResult
 from ..policies import POLICIES, declared_params
-from .args import CLIError, db_path, parse_setting, prepare, resumed_changes
+from .args import CLIError, db_path, parse_setting, prepare, resumed_changes, settings_text
 
 
 class Reading:
@@ -154,7 +154,7 @@ def _stat(key: str, value) -> str:
     """One ``/stats`` value as a person reads it: sizes in MiB (and bytes), counts with separators, settings and
     parameters as key=value."""
     if isinstance(value, dict):
-        return ", ".join(f"{k}={v}" for k, v in value.items()) or "-"
+        return settings_text(value) or "-"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value)
     if key.endswith("_bytes"):
@@ -209,7 +209,7 @@ def _chat_command(session, line: str) -> bool | str:
             applied = session.configure(budget=int(rest[0]))
         else:
             applied = _set(session, rest)
-        print(f"  applied: {applied}" if applied else "  no change")
+        print(f"  applied: {settings_text(applied)}" if applied else "  no change")
     else:
         raise CLIError(f"unknown command /{cmd} (/help lists them)")
     return True
@@ -244,7 +244,7 @@ def cmd_chat(args) -> int:
                           seed=args.seed, undo=not args.no_undo)
     try:
         if args.resume is not None and (applied := session.configure(**resumed_changes(args, session.settings))):
-            print(f"changed from its stored settings: {applied}", file=sys.stderr)
+            print(f"changed from its stored settings: {settings_text(applied)}", file=sys.stderr)
         s = session.settings
         print(f"{model.name} | policy {s.policy} | budget {s.budget} | groups {s.groups} | positions {s.positions} "
               "| /help for commands", file=sys.stderr)
