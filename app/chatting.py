@@ -62,7 +62,7 @@ class Chatting:
         yield [shown, ""] + keep
         answer, last_shown, t0, n, before = "", 0.0, time.perf_counter(), 0, None
         # The first chart CHART_EVERY_S into the reply, not with its first token: the browser draws the plot before
-        # the chat, which showed that token ~300 ms later (docs/usage.md).
+        # the chat, which showed that token 160-310 ms later (docs/usage.md).
         last_chart = t0
         stored = stored_turns(s, self.manager.store, entry.stored)  # unchanged until the reply commits
         failed = broken = unread = None
@@ -177,13 +177,9 @@ class Chatting:
         key = request.session_hash
         try:
             entry = self._idle(self._entry(key))
-            last = entry.session.history[-1] if entry.session.history else None
-            if last is None or last.role != "assistant" or not entry.session.can_undo:
-                raise ValueError("nothing to retry: the last turn of this tab is not a reply")
-            removed = entry.session.undo()
+            user = entry.session.undo_reply("retry")
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
             yield [gr.skip()] * 6 + [_error(str(exc)), gr.skip()]
             return
-        user = next((m["content"] for m in removed if m["role"] == "user"), None)
         yield from self._stream(key, user)

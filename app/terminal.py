@@ -162,18 +162,6 @@ def _stat(key: str, value) -> str:
     return f"{value:,.1f}" if isinstance(value, float) else f"{value:,}"
 
 
-def _take_back(session, retry: bool = False) -> str:
-    """``/undo`` and ``/retry``: the last exchange taken back (``Session.undo``: the cache, token log and stored
-    conversation as before it); returns its message. ValueError where the last turn is not a reply of this chat."""
-    if not session.undo_enabled:
-        raise ValueError(f"nothing to {'retry' if retry else 'undo'}: this chat keeps no undo copy (--no-undo)")
-    last = session.history[-1] if session.history else None
-    if last is None or last.role != "assistant" or not session.can_undo:
-        raise ValueError(f"nothing to {'retry' if retry else 'undo'}: only the last reply of this chat can be taken "
-                         "back, once")
-    return next((m["content"] for m in session.undo() if m["role"] == "user"), "")
-
-
 def _chat_command(session, line: str) -> bool | str:
     """Run a /command: False to quit, the message to answer again for ``/retry``, else True."""
     parts = shlex.split(line[1:])
@@ -185,7 +173,9 @@ def _chat_command(session, line: str) -> bool | str:
     if cmd in ("undo", "retry"):
         if rest:
             raise CLIError(f"/{cmd} takes nothing after it")
-        message = _take_back(session, retry=cmd == "retry")
+        if not session.undo_enabled:
+            raise CLIError(f"nothing to {cmd}: this chat keeps no undo copy (--no-undo)")
+        message = session.undo_reply(cmd)  # the cache, token log and stored conversation as before the exchange
         if cmd == "retry":
             return message
         shown = message if len(message) <= 300 else message[:300] + " …"

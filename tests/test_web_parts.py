@@ -421,7 +421,7 @@ def test_a_reply_that_fails_midway_reopens_the_conversation_and_says_so(web, mon
 
 def test_the_first_token_goes_to_the_page_without_the_charts(web, monkeypatch):
     """The yield that carries a reply's first token carries no charts (the browser drew the plot before the chat,
-    which showed the token ~300 ms later); they come CHART_EVERY_S into the reply, and with its end."""
+    which showed the token 160-310 ms later); they come CHART_EVERY_S into the reply, and with its end."""
     from types import SimpleNamespace
 
     from kvchat.app import chatting

@@ -13,6 +13,7 @@ import torch
 from . import persist
 from .checkpoint import Checkpoint
 from .feeding import STOPPABLE
+from .locking import locked
 from .sampling import Sampler
 from .tokens import Detokenizer
 from .turns import ReadStopped, TurnResult, stage
@@ -40,6 +41,16 @@ class Reply:
 class Generation:
     """The lock is held for each model step, never across a yield: settings changes, views and ``cancel()`` from
     other threads land between steps."""
+
+    @locked
+    def undo_reply(self, what: str = "undo") -> str:
+        """``undo`` where the last turn is a reply: the exchange taken back and its user message returned, to be
+        answered again (Retry, ``/retry``) or shown (``/undo``); ValueError ("nothing to ``what``") where the last
+        turn is no reply this session can take back."""
+        last = self.history[-1] if self.history else None
+        if last is None or last.role != "assistant" or not self.can_undo:
+            raise ValueError(f"nothing to {what}: only the last reply of this chat can be taken back, once")
+        return next((m["content"] for m in self.undo() if m["role"] == "user"), "")
 
     def _generate(self, reply: Reply, sampling) -> Generator[str, None, TurnResult]:
         """The reply's generator. A ``cancel()`` from when it is made on stops it (one before is forgotten): a Stop

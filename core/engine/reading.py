@@ -30,7 +30,8 @@ class SessionReads:
         """The last ``last`` tokens (None: all), from absolute position ``start`` on: token id, role name, message
         index, the fraction of (layer, KV head) pairs whose cache still holds it, and whether recall brought it back
         (in any turn); with the chat's ``total`` tokens and counts over all of them (``_held_counts``: "seen",
-        "full", "recalled_held"). One reading, its cost the tokens asked for and the cache's, however long the chat."""
+        "full", "recalled_held"). One reading; its cost is the tokens asked for and the cache's, but for where recall
+        brought text back: a flag per token of the chat, set from every turn's recalled spans."""
         start = 0 if last is None else max(0, self.log.n - last)
         recalled = self._recalled()
         return {"start": start, "total": self.log.n, "token": self.log.column("token", start).tolist(),
