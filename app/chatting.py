@@ -155,9 +155,16 @@ class Chatting:
         return out["delta"]
 
     def stop(self, request: gr.Request):
+        """Stop, and New or the chat pane's clear: this tab's reply or message read, if any, stops at its next step
+        (a reply is kept as far as it got)."""
         entry = self.manager.get(request.session_hash)
-        if entry is not None:
+        if entry is not None and entry.busy:
             entry.session.cancel()
+
+    def stop_for_open(self, conversation_id, request: gr.Request):
+        """Open stops this tab's reply only where a conversation is chosen (without one it only says so)."""
+        if conversation_id is not None:
+            self.stop(request)
 
     def undo(self, request: gr.Request):
         """chat, input, charts, head map, cache view, conversations, status, info."""

@@ -197,6 +197,10 @@ class Layout:
             on_change(box, self.sampling, panel.sampling, [status])
 
         opened = views + settings_outputs
+        # New, the chat pane's clear and Open first stop this tab's reply, if one streams (kept as far as it got, as
+        # Stop keeps it), so that they run at its next token rather than when it would have ended.
+        gr.on([side.new.click, chat.chatbot.clear], self.stop, None, None, queue=False)
+        side.open.click(self.stop_for_open, [side.conversations], None, queue=False)
         side.new.click(self.new_conversation, [side.system], opened, **model_queue)
         chat.chatbot.clear(self.new_conversation, [side.system], opened, **model_queue)
         side.open.click(self.open_conversation, [side.conversations], opened, **model_queue)

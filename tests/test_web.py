@@ -474,6 +474,48 @@ def test_while_a_reply_streams_only_stop_is_offered(browser, server):
         context.close()
 
 
+def _last_stop(db: Path, words: str) -> tuple[int, str]:
+    """The conversation whose message holds ``words``, and how its last reply ended."""
+    import sqlite3
+
+    with sqlite3.connect(db) as con:
+        cid = con.execute("SELECT conversation_id FROM messages WHERE text LIKE ? ORDER BY id DESC LIMIT 1",
+                          (f"%{words}%",)).fetchone()[0]
+        return cid, con.execute("SELECT stopped FROM turn_stats WHERE conversation_id = ? ORDER BY id DESC LIMIT 1",
+                                (cid,)).fetchone()[0]
+
+
+def _start_long_reply(page, text: str):
+    """Send ``text`` and wait until its reply streams."""
+    page.fill("#kv-input textarea", text)
+    page.click("#kv-send")
+    page.wait_for_function("() => { const m = [...document.querySelectorAll('#kv-chat .bot.message')];"
+                           " return m.length && m[m.length - 1].innerText.trim().length > 20; }")
+
+
+def test_new_and_open_stop_the_streaming_reply_first(browser, server):
+    """New, or Open, while a reply streams stops it (kept as far as it got, as Stop keeps it) and then runs, at once:
+    before, they waited in the model's queue until the reply ended by itself."""
+    context, page = _open(browser, server.url)
+    try:
+        _set_number(page, "kv-max-new", "2000")
+        _start_long_reply(page, "Tell me a very long story about a cat who keeps a lighthouse.")
+        page.click("#kv-new")
+        page.wait_for_function(f"() => {STATUS_JS}.includes('new conversation')", timeout=30000)
+        first, how = _last_stop(server.db, "cat who keeps a lighthouse")
+        assert how == "cancelled" and _bot_messages(page) == [] and f"#{first}" not in _info(page)
+        page.wait_for_function("() => !document.querySelector('#kv-send').disabled")
+
+        _start_long_reply(page, "Write a long poem about the sea, the wind and the stars.")
+        page.locator("#kv-conversations label", has_text=f"#{first} ").click()
+        page.click("#kv-open")
+        page.wait_for_function(f"c => {STATUS_JS}.includes('opened conversation #' + c)", arg=first, timeout=30000)
+        assert _last_stop(server.db, "the wind and the stars")[1] == "cancelled"
+        assert "lighthouse" in page.inner_text("#kv-chat") and len(_bot_messages(page)) == 1
+    finally:
+        context.close()
+
+
 # Four tabs, each with its own word, policy and budget (none of them the server's default policy).
 FOUR = [("alpha", "streaming", 64), ("bravo", "h2o", 80), ("charlie", "snapkv", 96), ("delta", "window", 112)]
 WORDS = [word for word, _, _ in FOUR] + ["echo", "foxtrot"]
