@@ -1,10 +1,11 @@
 """Count the torch operations and host syncs of one compression (or of recall's put-back, or of an undo copy taken
-and put back) on a tiny random Llama, at several numbers of layers: what it launches on a GPU, counted on any machine
-(docs/gpu.md, compressions in slabs).
+and put back, or of a whole turn) on a tiny random Llama, at several numbers of layers: what it launches on a GPU,
+counted on any machine (docs/gpu.md, compressions in slabs).
 
     .venv/bin/python scripts/compression_ops.py --layers 2 4 8 --policies streaming h2o snapkv tova cake headaware
     .venv/bin/python scripts/compression_ops.py --reorder --policies h2o
     .venv/bin/python scripts/compression_ops.py --undo --layers 2 8 16
+    .venv/bin/python scripts/compression_ops.py --turn --recall on --layers 2 8 16 --policies streaming
 
 Operations are aten calls without views; syncs are the calls that wait for a GPU (``equal``, ``item``, ``unique``,
 indexing by a boolean mask). Needs the default model's tokenizer (``kvchat`` converts it on first use).
@@ -46,13 +47,18 @@ class Counter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count(tokenizer, layers: int, policy: str, reorder: bool, undo: bool = False) -> Counter:
+#: ``--turn``'s message: about 260 tokens, read in pieces of the slack with a compression before each
+MESSAGE = "The quick brown fox jumps over the lazy dog near the river bank. " * 20
+
+
+def count(tokenizer, layers: int, policy: str, reorder: bool, undo: bool = False, turn: bool = False,
+          recall: str = "off") -> Counter:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096)
     model = loading.ChatModel.from_pretrained_model(AutoModelForCausalLM.from_config(config).eval(), tokenizer,
                                                     name="tiny", decode="graph")
-    session = Session(model, Settings(policy=policy, budget=64, window=16, slack=16, recall="off"),
+    session = Session(model, Settings(policy=policy, budget=64, window=16, slack=16, recall=recall),
                       sampling=Sampling(max_new_tokens=8, temperature=0.0))
     session.chat("Hello there. Tell me about the sea! And more about mountains, rivers, lakes. " * 3)
     if reorder:  # what recall does before its put-back: room made, the positions read again at the cache's end
@@ -62,7 +68,9 @@ def count(tokenizer, layers: int, policy: str, reorder: bool, undo: bool = False
         session.read_again(bring)
     counter = Counter()
     with counter:
-        if undo:  # the copy every turn takes for undo, and recall takes when its gate declines, put back
+        if turn:  # a user message of MESSAGE and its 8-token reply: pieces, compressions, recall, the turn's close
+            session.chat(MESSAGE)
+        elif undo:  # the copy every turn takes for undo, and recall takes when its gate declines, put back
             Checkpoint.capture(session).restore(session)
         elif reorder:
             compress.reorder(session, bring)
@@ -77,10 +85,13 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=["streaming", "h2o", "snapkv", "tova", "cake", "headaware"])
     parser.add_argument("--reorder", action="store_true", help="count recall's put-back instead of a compression")
     parser.add_argument("--undo", action="store_true", help="count an undo copy taken and put back instead")
+    parser.add_argument("--turn", action="store_true",
+                        help="count a whole turn instead: a message of about 260 tokens and an 8-token reply")
+    parser.add_argument("--recall", choices=["off", "on"], default="off")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(loading.default_model_dir())
     for policy in args.policies:
-        counts = [count(tokenizer, n, policy, args.reorder, args.undo) for n in args.layers]
+        counts = [count(tokenizer, n, policy, args.reorder, args.undo, args.turn, args.recall) for n in args.layers]
         ops = " / ".join(str(sum(c.ops.values())) for c in counts)
         syncs = " / ".join(str(c.syncs) for c in counts)
         print(f"{policy:10s} layers {' / '.join(map(str, args.layers))}: operations {ops}, syncs {syncs}")

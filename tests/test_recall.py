@@ -542,6 +542,31 @@ def test_digests_stand_for_a_group_by_its_content_keys_as_computed(tiny, tmp_pat
     assert digest.REPS == got.shape[3]
 
 
+def test_every_groups_representatives_at_once_equal_the_group_by_group_choice():
+    """``representatives`` picks all groups' keys in a few operations (no loop over groups, nothing read back from
+    a GPU); the keys are exactly those chosen group by group: the largest norms among the group's content tokens
+    (its scaffolding only where it has nothing else), largest first, a group of fewer repeating its first."""
+    from kvchat.core.recall import digest
+
+    torch.manual_seed(0)
+    counts = torch.tensor([1, 3, 2, 9, 4, 1, 40, 5])
+    n = int(counts.sum())
+    keys = torch.randn(3, 2, n, 16)
+    content = torch.rand(n) > 0.3
+    content[1:4] = False  # a group of scaffolding alone
+    content[4:6] = torch.tensor([True, False])  # one content token among two
+    got = digest.representatives(keys, counts, content)
+    expected = []
+    for a, c in zip((torch.cumsum(counts, 0) - counts).tolist(), counts.tolist()):
+        own = torch.arange(a, a + c)
+        if content[a: a + c].any():
+            own = own[content[a: a + c]]
+        top = own[keys.norm(dim=-1)[..., own].topk(min(digest.REPS, own.numel()), -1).indices]
+        top = torch.cat([top, top[..., :1].expand(-1, -1, digest.REPS - top.shape[-1])], -1)
+        expected.append(torch.gather(keys, 2, top[..., None].expand(-1, -1, -1, keys.shape[-1])))
+    assert torch.equal(got, torch.stack(expected))
+
+
 def test_int8_digests_score_as_the_fp16_ones(monkeypatch):
     """Quantized to int8 with one scale per key, the digests rank groups as the float ones do."""
     from kvchat.core.recall import digest, score

@@ -133,7 +133,7 @@ def compress(session, keep: int, reason: str, drop: torch.Tensor | None = None, 
     beyond its slack for them, taken from ``keep`` (the policy's lowest-scored slots make room)."""
     s, cache, policy = session.settings, session.cache, session.policy
     for hook in cache.on_compress:
-        hook(cache)
+        hook(cache, session.log.n)
     before = cache.mean_length
     session.evictions.peak = max(session.evictions.peak, before)  # the cache is fullest right before a compression
     layers = [(li, layer) for li, layer in enumerate(cache.layers) if layer.is_initialized]

@@ -47,7 +47,8 @@ class KVCache(Cache):
         #: Whether each slot keeps its key as computed (``KVLayer.k0``): models with RoPE, whose kept keys are
         #: re-rotated from it.
         self.keeps_computed = keeps_computed
-        #: Called with the cache before a compression drops any slot (recall's digests take the keys they need).
+        #: Called with the cache and the number of tokens fed (no slot holds a later position) before a compression
+        #: drops any slot (recall's digests take the keys they need).
         self.on_compress: list = []
         # the slab the next layers' first buffers come from, the index of its first layer, their capacities and spec
         self._first: tuple[slab.Slab, int, list[int], dict] | None = None

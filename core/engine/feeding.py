@@ -175,8 +175,9 @@ class Feeding:
             planned = min(first, total) if i == 0 and first else \
                 compress.make_room(self, total - i + more, logged=total - i)
             c = min(planned, total - i)
-            if tap is not None:
-                tap.keep = ~torch.isin(ids[i: i + c], special)
+            if tap is not None:  # the rows to keep as indices made here: a mask would be read back from a GPU
+                rows = torch.nonzero(~torch.isin(ids[i: i + c], special))[:, 0]
+                tap.keep = None if rows.numel() == c else rows
             keep = min(c, max(0, i + c - (total - tail - 1))) if tail else 0  # this chunk's logits in the tail
             if c <= short and tap is None and not want_logprobs and not keep:  # a few tokens: a step each is cheaper
                 for j in range(i, i + c):

@@ -36,57 +36,87 @@ def dequantize(q: np.ndarray | torch.Tensor, scale: np.ndarray | torch.Tensor, d
     return (q.to(dtype) * scale.to(dtype)[..., None]).to(dtype)
 
 
+def representatives(keys: torch.Tensor, counts: torch.Tensor, content: torch.Tensor) -> torch.Tensor:
+    """Each group's ``REPS`` keys of the largest norm, largest first: keys [layers, heads, n, dim] of n tokens in
+    groups of ``counts`` tokens (in order), ``content`` [n] the tokens that are not template scaffolding (a group's
+    scaffolding counts only where the group has nothing else); a group of fewer candidates repeats its first.
+    Returns [groups, layers, heads, REPS, dim]. Every group at once: two stable sorts order each (layer, head)'s
+    tokens by group, candidates first, then by norm; the ranks taken are known on the host."""
+    layers, heads, n, dim = keys.shape
+    group = torch.repeat_interleave(torch.arange(len(counts)), counts)
+    firsts = torch.cumsum(counts, 0) - counts
+    in_group = torch.zeros(len(counts), dtype=torch.long).index_add_(0, group, content.long())
+    chosen = content | (in_group == 0)[group]  # the tokens each group's keys are chosen from
+    candidates = torch.where(in_group > 0, in_group, counts)
+    by_norm = keys.norm(dim=-1).sort(dim=-1, descending=True, stable=True).indices  # [layers, heads, n]
+    order_key = (2 * group + (~chosen).long()).to(keys.device)
+    order = by_norm.gather(-1, order_key[by_norm].sort(dim=-1, stable=True).indices)
+    rank = torch.arange(REPS)
+    take = firsts[:, None] + torch.where(rank < candidates[:, None], rank, 0)  # [groups, REPS] into ``order``
+    top = order[..., take.reshape(-1).to(keys.device)]  # [layers, heads, groups * REPS] token indices
+    out = keys.gather(2, top[..., None].expand(-1, -1, -1, dim))
+    return out.view(layers, heads, len(counts), REPS, dim).permute(2, 0, 1, 3, 4).contiguous()
+
+
 class Stage:
-    """The computed keys, un-rotated to position 0, of the scoring layers' slots at positions ``start`` on (the
-    turn's, not digested yet): [layers, heads, n, key dim] on the cache's device, filled by ``capture``."""
+    """The computed keys of the scoring layers' slots at positions ``start`` on (the turn's, not digested yet), as
+    they were computed, with the positions they were computed at: [layers, heads, rows, key dim] on the cache's
+    device, filled by ``capture``, un-rotated to position 0 by ``take``. Nothing in it reads the device back (on a GPU
+    a compression's capture launches a few operations a layer and waits for none)."""
 
     def __init__(self, layers: list[int]):
         self.layers = layers
         self.start = 0
-        self.keys: torch.Tensor | None = None
-        self.n = 0
+        self.keys: torch.Tensor | None = None  # [layers, heads, rows + 1, dim]: the last row takes what is not staged
+        self.at: torch.Tensor | None = None  # [layers, heads, rows + 1]: where each staged key was computed
+        self.staged: torch.Tensor | None = None  # (on the device) whether any key was staged
 
-    def capture(self, cache, start: int, rotary) -> None:
+    def capture(self, cache, start: int, end: int, rotary) -> None:
         """Take the keys of every scoring layer's slots at positions ``start`` and later (those before were
-        digested), before a compression drops any of them, or when the turn closes."""
+        digested) and below ``end`` (the tokens fed so far: a slot holds at most the one fed ahead of its log entry), before a compression drops
+        any of them, or when the turn closes. Every slot is written, those before ``start`` (and the padding of
+        shorter heads) into the spare last row, so that nothing is read back to choose them."""
         if self.keys is None or start != self.start:
-            self.start, self.n, self.keys = start, 0, None
+            self.start, self.keys, self.at, self.staged = start, None, None, None
         for si, li in enumerate(self.layers):
             layer = cache.layers[li]
             if not layer.is_initialized or layer.k0 is None and rotary is not None:
                 continue
-            pos = layer.positions()
-            mine = pos >= start
-            if not bool(mine.any()):
-                continue
             keys = layer.padded(layer.k0 if layer.k0 is not None else layer.keys)
-            at = layer.padded(layer.computed).long()
-            heads = torch.nonzero(mine)
-            k = keys[mine].float()
-            if rotary is not None:
-                k = rotary.rotate(k, -at[mine])
-            end = int(pos[mine].max()) - start + 1
-            self._grow(len(self.layers), pos.shape[0], end, k.shape[-1], k.device)
-            self.keys[si, heads[:, 0], pos[mine] - start] = k
+            self._grow(len(self.layers), keys.shape[0], end - start + 1, keys.shape[-1], keys.device)
+            spare = self.keys.shape[2] - 1
+            pos = layer.positions() - start
+            mine = (pos >= 0) & (pos < spare)
+            rows = torch.where(mine, pos, spare)
+            heads = torch.arange(keys.shape[0], device=keys.device)[:, None].expand_as(rows)
+            self.keys[si].index_put_((heads, rows), keys.float())
+            self.at[si].index_put_((heads, rows), layer.padded(layer.computed).long())
+            self.staged |= mine.any()
 
     def _grow(self, layers: int, heads: int, n: int, dim: int, device) -> None:
         if self.keys is None:
-            self.keys = torch.zeros(layers, heads, max(n, 64), dim, device=device)
-        elif n > self.keys.shape[2]:
-            grown = self.keys.new_zeros(layers, heads, max(n, 2 * self.keys.shape[2]), dim)
-            grown[:, :, : self.keys.shape[2]] = self.keys
-            self.keys = grown
-        self.n = max(self.n, n)
+            self.keys = torch.zeros(layers, heads, max(n, 64) + 1, dim, device=device)
+            self.at = torch.zeros(layers, heads, max(n, 64) + 1, dtype=torch.long, device=device)
+            self.staged = torch.zeros((), dtype=torch.bool, device=device)
+        elif n > self.keys.shape[2] - 1:
+            rows = max(n, 2 * (self.keys.shape[2] - 1))
+            old = self.keys.shape[2] - 1
+            keys, at = self.keys.new_zeros(layers, heads, rows + 1, dim), self.at.new_zeros(layers, heads, rows + 1)
+            keys[:, :, :old], at[:, :, :old] = self.keys[:, :, :old], self.at[:, :, :old]
+            self.keys, self.at = keys, at
 
-    def take(self, n: int) -> torch.Tensor | None:
-        """The staged keys of positions ``start .. n`` ([layers, heads, n - start, dim]; None if nothing was
-        staged); the stage then starts at ``n``."""
+    def take(self, n: int, rotary) -> torch.Tensor | None:
+        """The staged keys of positions ``start .. n``, un-rotated to position 0 ([layers, heads, n - start, dim];
+        None if nothing was staged: one read of the device, once a turn); the stage then starts at ``n``."""
         out = None
-        if self.keys is not None:
-            out = self.keys[:, :, : n - self.start]
+        if self.keys is not None and bool(self.staged):
+            m = min(n - self.start, self.keys.shape[2] - 1)
+            out, at = self.keys[:, :, :m], self.at[:, :, :m]
+            if rotary is not None:
+                out = rotary.rotate(out, -at)
             if out.shape[2] < n - self.start:
                 out = torch.nn.functional.pad(out, (0, 0, 0, n - self.start - out.shape[2]))
-        self.keys, self.start, self.n = None, n, 0
+        self.keys, self.at, self.staged, self.start = None, None, None, n
         return out
 
 
@@ -116,11 +146,11 @@ class Digests:
     def nbytes(self) -> int:
         return self.store.nbytes
 
-    def capture(self, cache) -> None:
+    def capture(self, cache, fed: int) -> None:
         """Registered with the cache (``KVCache.on_compress``): the turn's keys a compression may drop (while recall
-        is on: ``active``)."""
+        is on: ``active``); ``fed``: the tokens fed so far."""
         if self.active:
-            self.stage.capture(cache, self.covered, self.rotary)
+            self.stage.capture(cache, self.covered, fed, self.rotary)
 
     def activate(self, on: bool, n: int) -> None:
         """Recall switched on or off at position ``n``: digests are written while it is on, from ``n`` on when it
@@ -137,8 +167,8 @@ class Digests:
         if n <= self.covered:
             return 0
         start = self.covered
-        self.stage.capture(cache, start, self.rotary)
-        keys = self.stage.take(n)  # [layers, heads, n - start, dim]
+        self.stage.capture(cache, start, n, self.rotary)
+        keys = self.stage.take(n, self.rotary)  # [layers, heads, n - start, dim]
         if keys is None:
             self.covered = n  # nothing staged (no scoring layer held these positions): nothing to digest
             return 0
@@ -147,19 +177,10 @@ class Digests:
         _, counts = torch.unique_consecutive(sentence, return_counts=True)
         ends = start + torch.cumsum(counts, 0)
         starts = ends - counts
-        norms = keys.norm(dim=-1)
-        groups, dim = len(counts), keys.shape[-1]
-        reps = torch.empty(groups, len(self.layers), keys.shape[1], REPS, dim, device=keys.device)
-        for g, (a, c) in enumerate(zip((starts - start).tolist(), counts.tolist())):
-            own = torch.arange(a, a + c, device=keys.device)
-            if content[a: a + c].any():  # scaffolding only where the group has nothing else
-                own = own[content[a: a + c].to(keys.device)]
-            top = own[norms[..., own].topk(min(REPS, own.numel()), -1).indices]  # [layers, heads, <= REPS]
-            top = torch.cat([top, top[..., :1].expand(-1, -1, REPS - top.shape[-1])], -1)
-            reps[g] = torch.gather(keys, 2, top[..., None].expand(-1, -1, -1, dim))
+        reps = representatives(keys, counts, content)
         self.append(reps, torch.stack([starts, ends], 1))
         self.covered = n
-        return groups
+        return len(counts)
 
     def append(self, reps: torch.Tensor, spans: torch.Tensor) -> None:
         coarse = reps[:, coarse_index(self.layers), :, 0]  # [groups, coarse layers, heads, dim]

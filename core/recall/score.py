@@ -58,7 +58,7 @@ class QueryTap:
         self.positions: torch.Tensor | None = None
         self.queries: dict[int, torch.Tensor] = {}  # layer -> [query heads, rows, dim]
         self.qpos: dict[int, torch.Tensor] = {}
-        self.keep: torch.Tensor | None = None  # rows of the forward to keep (bool), None: all
+        self.keep: torch.Tensor | None = None  # the indices of the forward's rows to keep, None: all
         self.scaling: dict[int, float] = {}
 
     def __call__(self, module, query: torch.Tensor, scaling: float | None) -> None:
@@ -68,7 +68,7 @@ class QueryTap:
         self.scaling[li] = scaling if scaling is not None else query.shape[-1] ** -0.5
         q, pos = query[0].float(), self.positions
         if self.keep is not None:
-            q, pos = q[:, self.keep], pos[self.keep]
+            q, pos = q.index_select(1, self.keep), pos.index_select(0, self.keep)
             if not q.shape[1]:  # a chunk of scaffolding alone (a message typed as "<|im_start|>"): no query to keep
                 return
         if li in self.queries:
