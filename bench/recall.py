@@ -42,7 +42,7 @@ from ..core.engine.settings import Settings
 from ..policies import POLICIES
 from ..storage.db import Store
 from .common import Run, data_dir, log, save_figure
-from .recall_facts import FACT_SETS, FACTS
+from .recall_facts import FACTS, FIELDS, argument as facts_argument, load as load_facts
 
 NAME = "recall"
 TITLE = "Recall across turns"
@@ -68,8 +68,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="candidates re-ranked by the model per message (the setting's default: 16 on a GPU, 0 on a "
                         "CPU)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--facts", choices=tuple(FACT_SETS), default="bench",
-                   help="the facts planted: the bench's own, or a held-out set never used to tune recall")
+    p.add_argument("--facts", type=facts_argument, default="bench", metavar="{bench,heldout,FILE}",
+                   help="the facts planted: the bench's own, a held-out set never used to tune recall, or a JSONL "
+                        "file of your own, one object a line: " + "; ".join(f"{k}: {v}" for k, v in FIELDS.items()))
     p.add_argument("--data", default=None, help="the shared data directory (default ../shared/data)")
 
 
@@ -254,7 +255,7 @@ def run(args, run: Run, cm) -> None:
     import tempfile
 
     data = data_dir(args.data)
-    cases = make_cases(data, args.kinds, args.cases, args.seed, FACT_SETS[args.facts])
+    cases = make_cases(data, args.kinds, args.cases, args.seed, load_facts(args.facts))
     run.rows = {"cells": [], "replay": [], "scoring": [], "facts": [c["expect"] for c in cases]}
     cells = run.rows["cells"]
     with tempfile.TemporaryDirectory(prefix="kvchat-bench-recall-") as tmp:

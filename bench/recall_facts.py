@@ -1,7 +1,20 @@
 """The facts ``kvchat bench recall`` plants: (the fact's sentence, the direct question, a paraphrased question, the
 reference answer, a random value, the fact's family). ``FACTS`` are the bench's own; ``HELDOUT`` (``--facts
 heldout``) are other facts in other wording, never used to tune recall, for a check on conversations it has not
-seen. A distractor case plants two more facts of the same family beside the asked one."""
+seen; ``--facts FILE`` takes a person's own (``load``). A distractor case plants two more facts of the same family
+beside the asked one."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+#: What each line of a ``--facts`` file holds (JSON objects, one a line): the sentences' ``{v}`` is the value.
+FIELDS = {"fact": "the sentence planted, with {v}", "question": "the direct question",
+          "paraphrase": "the question in other words", "answer": "the reference answer, with {v}",
+          "values": "two or more values, one drawn per case", "family": "optional: facts of one family are each "
+          "other's distractors"}
 
 FACTS = [
     ("My bike lock code is {v}.", "What is my bike lock code?", "Which numbers open the lock on my bicycle?",
@@ -49,3 +62,57 @@ HELDOUT = [
      lambda r: f"{r.choice(['HX', 'QL', 'ZT'])}-{r.randint(10000, 99999)}", "secret"),
 ]
 FACT_SETS = {"bench": FACTS, "heldout": HELDOUT}
+
+
+def load(spec: str) -> list[tuple]:
+    """The facts ``--facts`` names: a set's name, or a JSONL file of the fields ``FIELDS`` (a ValueError of one line
+    names the first bad line)."""
+    if spec in FACT_SETS:
+        return FACT_SETS[spec]
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ValueError(f"{spec}: neither {' nor '.join(FACT_SETS)} nor a file")
+    facts = []
+    for no, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{no}: not JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{no}: a line holds one JSON object")
+        need = [k for k in FIELDS if k != "family" and k not in row]
+        if need:
+            fields = "; ".join(f"{k}: {v}" for k, v in FIELDS.items())
+            raise ValueError(f"{path}:{no}: missing {', '.join(need)} ({fields})")
+        texts = [row[k] for k in ("fact", "question", "paraphrase", "answer")]
+        if not all(isinstance(t, str) and t.strip() for t in texts):
+            raise ValueError(f"{path}:{no}: fact, question, paraphrase and answer must be non-empty text")
+        if "{v}" not in row["fact"] or "{v}" not in row["answer"]:
+            raise ValueError(f"{path}:{no}: the fact and the answer must each hold {{v}}, where the value goes")
+        values = row["values"]
+        if not isinstance(values, list) or len({str(v) for v in values}) < 2 or \
+                not all(str(v).strip() for v in values):
+            raise ValueError(f"{path}:{no}: values must list two or more different, non-empty values")
+        try:
+            row["fact"].format(v=""), row["answer"].format(v="")
+        except (IndexError, KeyError, ValueError):
+            raise ValueError(f"{path}:{no}: braces other than {{v}} must be doubled ({{{{ and }}}})") from None
+        choices = sorted({str(v) for v in values})
+        facts.append((row["fact"], row["question"], row["paraphrase"], row["answer"],
+                      lambda r, choices=choices: r.choice(choices), str(row.get("family", f"line {no}"))))
+    if not facts:
+        raise ValueError(f"{path}: no facts in it")
+    return facts
+
+
+
+def argument(spec: str) -> str:
+    """``--facts`` as argparse takes it: checked as it is parsed (a file's first bad line is the error), kept as
+    given."""
+    try:
+        load(spec)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return spec

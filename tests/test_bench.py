@@ -36,6 +36,60 @@ def test_bad_input_exits_2_before_loading(argv, needle, capsys, monkeypatch):
     assert "kvchat: error: " in err or ": error: argument" in err or "kvchat bench: error: " in err
 
 
+@pytest.mark.parametrize("lines, needle", [
+    (['{"fact": "x {v}", "question": "q"}'], ":1: missing paraphrase, answer, values"),
+    (['', 'not json'], ":2: not JSON"),
+    (['{"fact": "x", "question": "q", "paraphrase": "p", "answer": "a {v}", "values": ["1", "2"]}'],
+     ":1: the fact and the answer must each hold {v}"),
+    (['{"fact": "x {v}", "question": "q", "paraphrase": "p", "answer": "a {v}", "values": ["1", "1"]}'],
+     ":1: values must list two or more different"),
+    (['{"fact": "x {v} {w}", "question": "q", "paraphrase": "p", "answer": "a {v}", "values": ["1", "2"]}'],
+     ":1: braces other than {v} must be doubled"),
+    ([], ": no facts in it"),
+])
+def test_a_bad_facts_file_is_refused_before_loading_naming_its_line(tmp_path, lines, needle, capsys, monkeypatch):
+    monkeypatch.setattr("kvchat.bench.common.load_model", lambda spec, **kw: pytest.fail("the model must not load"))
+    facts = tmp_path / "facts.jsonl"
+    facts.write_text("\n".join(lines) + "\n")
+    assert _exit_code(["bench", "recall", "--facts", str(facts)]) == 2
+    err = capsys.readouterr().err
+    assert f"argument --facts: {facts}{needle}" in err
+    assert _exit_code(["bench", "recall", "--facts", str(tmp_path / "none.jsonl")]) == 2
+    assert "none.jsonl: neither bench nor heldout nor a file" in capsys.readouterr().err
+
+
+def test_a_facts_file_plants_its_own_facts_and_distractors(tmp_path):
+    """``--facts FILE``: each case plants one of the file's facts with a value from its list, asks its question (or
+    its paraphrase), and a distractor case plants the others of its family beside it."""
+    from kvchat.bench import recall
+
+    data = REPO / "bench" / "facts" / "example.jsonl"
+    facts = recall.load_facts(str(data))
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    assert len(facts) == len(rows) >= 8
+    fake = tmp_path / "data"
+    (fake / "fastchat").mkdir(parents=True)
+    (fake / "fastchat" / "dummy_conversation.json").write_text(json.dumps([{"conversations": [
+        {"from": "human", "value": f"question {i}"}, {"from": "gpt", "value": f"answer {i}"}]} for i in range(300)]))
+    (fake / "fastchat" / "mt_bench_question.jsonl").write_text(json.dumps({"question_id": 1, "turns": ["mt"]}))
+    (fake / "fastchat" / "mt_bench_reference_answer_gpt-4.jsonl").write_text(
+        json.dumps({"question_id": 1, "choices": [{"turns": ["mt answer"]}]}))
+    cases = recall.make_cases(fake, ["direct", "paraphrase", "distractor"], len(rows), 0, facts)
+    by_fact = {r["fact"]: r for r in rows}
+    for case in cases:
+        said = [t for t, _ in case["planted"]]
+        row = next(r for r in rows if r["question"] == case["ask"] or r["paraphrase"] == case["ask"])
+        mine = row["fact"].format(v=case["expect"])
+        assert mine in said and case["expect"] in row["values"] and case["reference"] == row["answer"].format(
+            v=case["expect"])
+        assert case["ask"] == (row["paraphrase"] if case["kind"] == "paraphrase" else row["question"])
+        others = [t for t in said if t != mine]
+        family = [r for r in rows if r.get("family") == row.get("family") and r is not row]
+        assert len(others) == (min(2, len(family)) if case["kind"] == "distractor" else 0)
+        assert all(any(t == r["fact"].format(v=v) for r in family for v in r["values"]) for t in others)
+    assert {c["ask"] for c in cases if c["kind"] == "paraphrase"} == {r["paraphrase"] for r in by_fact.values()}
+
+
 def test_report_without_results_is_an_error(tmp_path, capsys):
     assert main(["bench", "report", "--out", str(tmp_path)]) == 2
     assert "no results under" in capsys.readouterr().err

@@ -73,9 +73,10 @@ class Stage:
 
     def capture(self, cache, start: int, end: int, rotary) -> None:
         """Take the keys of every scoring layer's slots at positions ``start`` and later (those before were
-        digested) and below ``end`` (the tokens fed so far: a slot holds at most the one fed ahead of its log entry), before a compression drops
-        any of them, or when the turn closes. Every slot is written, those before ``start`` (and the padding of
-        shorter heads) into the spare last row, so that nothing is read back to choose them."""
+        digested), before a compression drops any of them, or when the turn closes. ``end``: the tokens fed so far
+        (the stage has room up to ``end`` itself: a reply's token may be fed ahead of its log entry). Every slot is
+        written, those before ``start`` (and the padding of shorter heads) into the spare last row, so that nothing
+        is read back to choose them."""
         if self.keys is None or start != self.start:
             self.start, self.keys, self.at, self.staged = start, None, None, None
         for si, li in enumerate(self.layers):
