@@ -61,15 +61,14 @@ def representatives(keys: torch.Tensor, counts: torch.Tensor, content: torch.Ten
 class Stage:
     """The computed keys of the scoring layers' slots at positions ``start`` on (the turn's, not digested yet), as
     they were computed, with the positions they were computed at: [layers, heads, rows, key dim] on the cache's
-    device, filled by ``capture``, un-rotated to position 0 by ``take``. Nothing in it reads the device back (on a GPU
-    a compression's capture launches a few operations a layer and waits for none)."""
+    device, filled by ``capture``, un-rotated to position 0 by ``take`` (once a turn). A capture reads nothing back from
+    the device: on a GPU a compression's launches a few operations a layer and waits for none."""
 
     def __init__(self, layers: list[int]):
         self.layers = layers
         self.start = 0
         self.keys: torch.Tensor | None = None  # [layers, heads, rows + 1, dim]: the last row takes what is not staged
         self.at: torch.Tensor | None = None  # [layers, heads, rows + 1]: where each staged key was computed
-        self.staged: torch.Tensor | None = None  # (on the device) whether any key was staged
 
     def capture(self, cache, start: int, end: int, rotary) -> None:
         """Take the keys of every scoring layer's slots at positions ``start`` and later (those before were
@@ -78,7 +77,7 @@ class Stage:
         written, those before ``start`` (and the padding of shorter heads) into the spare last row, so that nothing
         is read back to choose them."""
         if self.keys is None or start != self.start:
-            self.start, self.keys, self.at, self.staged = start, None, None, None
+            self.start, self.keys, self.at = start, None, None
         for si, li in enumerate(self.layers):
             layer = cache.layers[li]
             if not layer.is_initialized or layer.k0 is None and rotary is not None:
@@ -92,13 +91,11 @@ class Stage:
             heads = torch.arange(keys.shape[0], device=keys.device)[:, None].expand_as(rows)
             self.keys[si].index_put_((heads, rows), keys.float())
             self.at[si].index_put_((heads, rows), layer.padded(layer.computed).long())
-            self.staged |= mine.any()
 
     def _grow(self, layers: int, heads: int, n: int, dim: int, device) -> None:
         if self.keys is None:
             self.keys = torch.zeros(layers, heads, max(n, 64) + 1, dim, device=device)
             self.at = torch.zeros(layers, heads, max(n, 64) + 1, dtype=torch.long, device=device)
-            self.staged = torch.zeros((), dtype=torch.bool, device=device)
         elif n > self.keys.shape[2] - 1:
             rows = max(n, 2 * (self.keys.shape[2] - 1))
             old = self.keys.shape[2] - 1
@@ -108,16 +105,18 @@ class Stage:
 
     def take(self, n: int, rotary) -> torch.Tensor | None:
         """The staged keys of positions ``start .. n``, un-rotated to position 0 ([layers, heads, n - start, dim];
-        None if nothing was staged: one read of the device, once a turn); the stage then starts at ``n``."""
+        None where no scoring layer could be staged); the stage then starts at ``n``. Every token fed since ``start``
+        was in the cache at a capture (each compression captures before it drops, the turn's close captures the
+        rest), so a stage that exists holds them all."""
         out = None
-        if self.keys is not None and bool(self.staged):
+        if self.keys is not None:
             m = min(n - self.start, self.keys.shape[2] - 1)
             out, at = self.keys[:, :, :m], self.at[:, :, :m]
             if rotary is not None:
                 out = rotary.rotate(out, -at)
             if out.shape[2] < n - self.start:
                 out = torch.nn.functional.pad(out, (0, 0, 0, n - self.start - out.shape[2]))
-        self.keys, self.at, self.staged, self.start = None, None, None, n
+        self.keys, self.at, self.start = None, None, n
         return out
 
 
@@ -171,7 +170,7 @@ class Digests:
         self.stage.capture(cache, start, n, self.rotary)
         keys = self.stage.take(n, self.rotary)  # [layers, heads, n - start, dim]
         if keys is None:
-            self.covered = n  # nothing staged (no scoring layer held these positions): nothing to digest
+            self.covered = n  # nothing staged (no scoring layer keeps its keys as computed): nothing to digest
             return 0
         sentence = log.column("sentence", start)
         content = ~torch.isin(log.column("token", start).long(), scaffolding)
