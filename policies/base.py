@@ -167,17 +167,42 @@ class Policy:
         return f"{self.name}({args})"
 
 
+def window_batches(views: list[LayerView], most: int = 1 << 22):
+    """The layers' observation windows and valid masks stacked, for what a policy computes for several layers at once
+    (fewer launches and reads back on a GPU than layer by layer): yields (layer indices, windows [B, heads, rows, n],
+    valid [B, heads, n]), the layers of one head and row count together, zero-padded to the longest (padding is not
+    valid and holds no attention), at most ``most`` elements of windows a batch (one layer at least), so that their
+    temporaries stay some tens of MB."""
+    alike: dict[tuple, list[int]] = {}
+    for i, view in enumerate(views):
+        alike.setdefault((tuple(view.window.shape[:2]), view.window.device, view.window.dtype), []).append(i)
+    for (shape, device, dtype), layers in alike.items():
+        n = max(views[i].window.shape[-1] for i in layers)
+        size = max(1, most // (shape[0] * shape[1] * max(n, 1)))
+        for at in range(0, len(layers), size):
+            batch = layers[at: at + size]
+            windows = torch.zeros(len(batch), *shape, n, dtype=dtype, device=device)
+            valid = torch.zeros(len(batch), shape[0], n, dtype=torch.bool, device=device)
+            for b, i in enumerate(batch):
+                m = views[i].window.shape[-1]
+                windows[b, ..., :m], valid[b, :, :m] = views[i].window, views[i].valid
+            yield batch, windows, valid
+
+
 def split_budget(weights: list[float], total: int, minimum: int) -> list[int]:
     """Integers summing to ``total``, each at least ``minimum`` (when the total allows), the rest shared in
-    proportion to ``weights`` (largest remainders get the leftover units)."""
+    proportion to ``weights`` (largest remainders get the leftover units). On the host: a few float operations a
+    weight, torch only for the sum and the order of the remainders."""
     n = len(weights)
     floor = min(minimum, total // n)
     rest = total - floor * n
-    w = torch.tensor(weights, dtype=torch.float64).clamp(min=0)
-    w = w / w.sum() if float(w.sum()) > 0 else torch.full((n,), 1.0 / n, dtype=torch.float64)
-    share = w * rest
-    out = share.floor().long()
-    leftover = rest - int(out.sum())
+    w = [max(float(x), 0.0) for x in weights]
+    norm = float(torch.tensor(w, dtype=torch.float64).sum())
+    share = [x / norm * rest for x in w] if norm > 0 else [1.0 / n * rest] * n
+    out = [math.floor(x) for x in share]
+    leftover = rest - sum(out)
     if leftover:
-        out[torch.argsort(share - out, descending=True)[:leftover]] += 1
-    return [floor + int(v) for v in out]
+        remainders = torch.tensor([x - o for x, o in zip(share, out)], dtype=torch.float64)
+        for i in torch.argsort(remainders, descending=True)[:leftover].tolist():
+            out[i] += 1
+    return [floor + v for v in out]

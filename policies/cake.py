@@ -11,7 +11,7 @@ tokens are ranked by CAKE's indicator, mean + gamma * variance of the attention 
 import torch
 
 from .registry import register
-from .base import OBS_WINDOW, Param, Policy, split_budget
+from .base import OBS_WINDOW, Param, Policy, split_budget, window_batches
 
 
 @register
@@ -32,21 +32,26 @@ class CAKE(Policy):
         self.preferences: list[float] = []
 
     @staticmethod
-    def preference_terms(window: torch.Tensor, valid: torch.Tensor) -> tuple[float, float]:
-        """(H_l, V_l) of one layer from its window attention [heads, rows, n]."""
-        entropy = -(window * window.clamp_min(1e-12).log()).sum(-1).mean()
-        variance = window.var(dim=1, unbiased=False)  # [heads, n]
-        variance = (variance * valid).sum() / valid.sum().clamp(min=1)
-        return float(entropy), float(variance)
+    def preference_terms(window: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(H_l, V_l) from the window attention [..., heads, rows, n] of one layer or of several of one shape."""
+        entropy = -(window * window.clamp_min(1e-12).log()).sum(-1).mean((-2, -1))
+        variance = window.var(dim=-2, unbiased=False)  # [..., heads, n]
+        variance = (variance * valid).sum((-2, -1)) / valid.sum((-2, -1)).clamp(min=1)
+        return entropy, variance
 
-    def preference(self, window: torch.Tensor, valid: torch.Tensor) -> float:
-        h, v = self.preference_terms(window, valid)
+    def preference(self, h: float, v: float) -> float:
         return max(h, 1e-12) ** (1 / self.tau1) * max(v, 1e-12) ** (1 / self.tau2)
 
     def allocate(self, views, budget, minimum):
         if any(v.window is None for v in views):
             return None
-        self.preferences = [self.preference(v.window, v.valid) for v in views]
+        layers, terms = [], []  # several layers' terms at once, read back once
+        for batch, window, valid in window_batches(views):
+            layers += batch
+            terms.append(torch.stack(self.preference_terms(window, valid), -1))
+        self.preferences = [0.0] * len(views)
+        for layer, (h, v) in zip(layers, torch.cat(terms).tolist()):
+            self.preferences[layer] = self.preference(h, v)
         self.budgets = split_budget(self.preferences, budget * len(views), minimum)
         return [[b] * v.positions.shape[0] for b, v in zip(self.budgets, views)]
 

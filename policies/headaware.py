@@ -24,22 +24,22 @@ the seed text) and every one is a parameter.
 import torch
 
 from .registry import register
-from .base import OBS_WINDOW, Param, Policy, split_budget
+from .base import OBS_WINDOW, Param, Policy, split_budget, window_batches
 
 CLASSES = ("retrieval", "induction", "local")
 PROFILE = 64  # positions of the attention-by-distance profile analysed by the FFT
 
 
 def periodicity(spectrum: torch.Tensor) -> torch.Tensor:
-    """How periodic a profile is, from its power spectrum [heads, bins] (without the constant term): the energy
+    """How periodic a profile is, from its power spectrum [..., bins] (without the constant term): the energy
     of the strongest harmonic series (a frequency and its multiples; periods of 4 to 32 positions) relative to
     what the same number of bins holds in a flat spectrum. About 1-2 for noise; a comb of period p scores ~p."""
-    bins = spectrum.shape[1]
-    total = spectrum.sum(1, keepdim=True).clamp_min(1e-12)
+    bins = spectrum.shape[-1]
+    total = spectrum.sum(-1, keepdim=True).clamp_min(1e-12)
     # row f - 2 of the combs: 1 at the bins of frequency f and its multiples (bin i holds frequency i + 1)
     frequency = torch.arange(2, bins // 4 + 1, device=spectrum.device)[:, None]
     combs = ((torch.arange(1, bins + 1, device=spectrum.device)[None, :] % frequency) == 0).to(spectrum.dtype)
-    return (spectrum @ combs.T / total * bins / combs.sum(1)).amax(1).clamp(min=0)
+    return (spectrum @ combs.T / total * bins / combs.sum(1)).amax(-1).clamp(min=0)
 
 
 @register
@@ -72,32 +72,45 @@ class HeadAware(Policy):
 
     # -- classification ---------------------------------------------------------------------------------------
     def head_features(self, window: torch.Tensor, valid: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per head: local mass, normalized entropy and periodicity of the attention of the window queries."""
-        heads, rows, n = window.shape
-        lens = valid.sum(1)  # [heads]
+        """Per head: local mass, normalized entropy and periodicity of the attention of the window queries.
+        ``window`` [..., heads, rows, n], ``valid`` [..., heads, n]: one layer, or several of one shape at once."""
+        rows, n = window.shape[-2:]
+        lens = valid.sum(-1)  # [..., heads]
         # Query r of the window sits at slot lens - rows + r of its head.
-        qslot = lens[:, None] - rows + torch.arange(rows, device=window.device)[None, :]  # [heads, rows]
-        dist = qslot[:, :, None] - torch.arange(n, device=window.device)[None, None, :]  # [heads, rows, n]
-        seen = (dist >= 0) & valid[:, None, :]
-        local = (window * ((dist <= self.local_width) & seen)).sum(-1).mean(1)
+        qslot = lens[..., None] - rows + torch.arange(rows, device=window.device)  # [..., heads, rows]
+        dist = qslot[..., None] - torch.arange(n, device=window.device)  # [..., heads, rows, n]
+        seen = (dist >= 0) & valid[..., None, :]
+        local = (window * ((dist <= self.local_width) & seen)).sum(-1).mean(-1)
         visible = seen.sum(-1).clamp(min=2).float()
-        entropy = (-(window * window.clamp_min(1e-12).log()).sum(-1) / visible.log()).mean(1)
-        profile = torch.zeros(heads, PROFILE, device=window.device)
+        entropy = (-(window * window.clamp_min(1e-12).log()).sum(-1) / visible.log()).mean(-1)
+        profile = torch.zeros(*lens.shape, PROFILE, device=window.device)
         near = seen & (dist < PROFILE)
-        profile.scatter_add_(1, dist.clamp(0, PROFILE - 1).masked_fill(~near, 0).reshape(heads, -1),
-                             (window * near).reshape(heads, -1))
-        spectrum = torch.fft.rfft(profile - profile.mean(1, keepdim=True), dim=1).abs()[:, 1:] ** 2
+        profile.scatter_add_(-1, dist.clamp(0, PROFILE - 1).masked_fill(~near, 0).flatten(-2),
+                             (window * near).flatten(-2))
+        spectrum = torch.fft.rfft(profile - profile.mean(-1, keepdim=True), dim=-1).abs()[..., 1:] ** 2
         return {"local": local, "entropy": entropy, "period": periodicity(spectrum)}
 
-    def classify(self, features: dict[str, torch.Tensor]) -> list[str]:
-        out = []
-        for local, entropy, period in zip(*(features[k].tolist() for k in ("local", "entropy", "period"))):
+    def classify(self, features: dict[str, torch.Tensor]) -> list:
+        """Each head's class from ``head_features`` (of one layer: a list; of several: a list per layer), read
+        back from the device at once."""
+
+        def one(local: float, entropy: float, period: float) -> str:
             if local >= self.tau_local:
-                out.append("local")
-            elif self.entropy_low <= entropy < self.entropy_high and period >= self.tau_period:
-                out.append("induction")
-            else:
-                out.append("retrieval")
+                return "local"
+            if self.entropy_low <= entropy < self.entropy_high and period >= self.tau_period:
+                return "induction"
+            return "retrieval"
+
+        table = torch.stack([features[k] for k in ("local", "entropy", "period")], -1).tolist()
+        return [one(*head) for head in table] if features["local"].dim() == 1 else \
+            [[one(*head) for head in layer] for layer in table]
+
+    def layer_classes(self, views) -> list[list[str]]:
+        """Every layer's head classes, layers computed together (``window_batches``)."""
+        out: list = [None] * len(views)
+        for batch, window, valid in window_batches(views):
+            for i, classes in zip(batch, self.classify(self.head_features(window, valid))):
+                out[i] = classes
         return out
 
     # -- budgets ----------------------------------------------------------------------------------------------
@@ -110,8 +123,7 @@ class HeadAware(Policy):
         weight = {"retrieval": self.alpha_r, "induction": self.alpha_i, "local": self.alpha_l}
         rate = 1.0 / (self.step + 1)
         classes, budgets, kept = [], [], []
-        for li, view in enumerate(views):
-            cls = self.classify(self.head_features(view.window, view.valid))
+        for li, cls in enumerate(self.layer_classes(views)):
             heads = len(cls)
             target = split_budget([weight[c] for c in cls], heads * budget, floor)
             if self.step and li < len(self.budgets) and len(self.budgets[li]) == heads:
@@ -134,22 +146,27 @@ class HeadAware(Policy):
     def score(self, view):
         if view.window is None or not self.classes or view.layer >= len(self.classes):
             return view.recency
-        recency = view.recency
-        n = recency.shape[1]
-        acc = view.acc if view.acc is not None else torch.zeros_like(recency)
-        acc = acc / (view.fed - view.positions).clamp(min=1)
-        votes = view.window.sum(1)
-        classes = self.classes[view.layer]
-        budgets = self.kept[view.layer] if view.layer < len(self.kept) else [n] * len(classes)
-        # induction: uniform samples first (every stride-th held slot, half the budget), then the pattern's key points
-        device = recency.device
-        held = view.valid.sum(1, keepdim=True)
-        stride = (held // torch.tensor([max(1, b // 2) for b in budgets], device=device)[:, None]).clamp(min=1)
-        slots = torch.arange(n, device=device)[None, :]
-        induction = torch.where((slots % stride == 0) & (slots < held), 2.0 + votes, votes)
-        kind = torch.tensor([CLASSES.index(c) for c in classes], device=device)[:, None]
-        scores = torch.where(kind == CLASSES.index("local"), recency,
-                             torch.where(kind == CLASSES.index("retrieval"), acc, induction))
+        recency, classes = view.recency, self.classes[view.layer]
+        n, device = recency.shape[1], recency.device
+        by_class = {"local": recency}  # what the layer's classes need, no more (a GPU launches each operation)
+        if "retrieval" in classes:  # attention received, per step a slot has been seen
+            acc = view.acc if view.acc is not None else torch.zeros_like(recency)
+            by_class["retrieval"] = acc / (view.fed - view.positions).clamp(min=1)
+        if "induction" in classes:
+            # uniform samples first (every stride-th held slot, half the budget), then the pattern's key points
+            votes = view.window.sum(1)
+            budgets = self.kept[view.layer] if view.layer < len(self.kept) else [n] * len(classes)
+            held = view.valid.sum(1, keepdim=True)
+            stride = (held // torch.tensor([max(1, b // 2) for b in budgets], device=device)[:, None]).clamp(min=1)
+            slots = torch.arange(n, device=device)[None, :]
+            by_class["induction"] = torch.where((slots % stride == 0) & (slots < held), 2.0 + votes, votes)
+        if len(set(classes)) == 1:
+            scores = by_class[classes[0]]
+        else:
+            kind = torch.tensor([CLASSES.index(c) for c in classes], device=device)[:, None]
+            scores = torch.where(kind == CLASSES.index("local"), recency,
+                                 torch.where(kind == CLASSES.index("retrieval"), by_class.get("retrieval", recency),
+                                             by_class.get("induction", recency)))
         if self.new_tokens and view.groups is not None:
             newest = view.groups.gather(1, (view.valid.sum(1, keepdim=True) - 1).clamp(min=0))
             slots = torch.arange(n, device=recency.device)[None, :]

@@ -4,6 +4,8 @@ At each compression the newest query's attention over the cache, averaged over t
 token, so every head of a layer keeps the same tokens.
 """
 
+import torch
+
 from .registry import register
 from .base import Policy
 
@@ -22,6 +24,6 @@ class TOVA(Policy):
         if view.window is None:
             return view.recency
         last = view.window[:, -1]  # [heads, n]
-        if bool((view.positions == view.positions[:1]).all()):
-            return last.mean(0)
-        return last  # heads hold different tokens (after a per-head policy): score each head on its own
+        # heads that hold different tokens (after a per-head policy) are scored each on its own; no read back
+        same = (view.positions == view.positions[:1]).all()
+        return torch.where(same, last.mean(0, keepdim=True), last)

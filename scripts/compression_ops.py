@@ -7,8 +7,12 @@ counted on any machine (docs/gpu.md, compressions in slabs).
     .venv/bin/python scripts/compression_ops.py --undo --layers 2 8 16
     .venv/bin/python scripts/compression_ops.py --turn --recall on --layers 2 8 16 --policies streaming
 
-Operations are aten calls without views; syncs are the calls that wait for a GPU (``equal``, ``item``, ``unique``,
-indexing by a boolean mask). Needs the default model's tokenizer (``kvchat`` converts it on first use).
+    .venv/bin/python scripts/compression_ops.py --after 2 --policies cake headaware   # after two more turns
+
+Operations are aten calls without views; syncs are the calls that wait for a GPU (``equal``, ``item``, ``tolist``,
+``unique``, indexing by a boolean mask; host tensors' ``item`` and ``tolist`` are counted too, though they wait for
+nothing). ``--after N`` counts the compression after N more turns, when ``cake``'s layers and ``headaware``'s heads
+hold different numbers of positions. Needs the default model's tokenizer (``kvchat`` converts it on first use).
 """
 
 from __future__ import annotations
@@ -36,6 +40,19 @@ class Counter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops, self.syncs = collections.Counter(), 0
+        self._tolist = torch.Tensor.tolist
+
+    def __enter__(self):
+        def tolist(tensor):  # a read back that dispatches nothing on the CPU
+            self.syncs += 1
+            return self._tolist(tensor)
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
@@ -52,7 +69,7 @@ MESSAGE = "The quick brown fox jumps over the lazy dog near the river bank. " * 
 
 
 def count(tokenizer, layers: int, policy: str, reorder: bool, undo: bool = False, turn: bool = False,
-          recall: str = "off") -> Counter:
+          recall: str = "off", after: int = 0) -> Counter:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096)
@@ -61,6 +78,8 @@ def count(tokenizer, layers: int, policy: str, reorder: bool, undo: bool = False
     session = Session(model, Settings(policy=policy, budget=64, window=16, slack=16, recall=recall),
                       sampling=Sampling(max_new_tokens=8, temperature=0.0))
     session.chat("Hello there. Tell me about the sea! And more about mountains, rivers, lakes. " * 3)
+    for _ in range(after):
+        session.chat("Another sentence about the hills and the sea, and more. " * 2)
     if reorder:  # what recall does before its put-back: room made, the positions read again at the cache's end
         held = set(session.kept_positions().tolist())
         bring = torch.tensor([p for p in range(0, 60, 7) if p not in held])
@@ -88,10 +107,11 @@ def main() -> None:
     parser.add_argument("--turn", action="store_true",
                         help="count a whole turn instead: a message of about 260 tokens and an 8-token reply")
     parser.add_argument("--recall", choices=["off", "on"], default="off")
+    parser.add_argument("--after", type=int, default=0, help="count the compression after this many more turns")
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(loading.default_model_dir())
     for policy in args.policies:
-        counts = [count(tokenizer, n, policy, args.reorder, args.undo, args.turn, args.recall) for n in args.layers]
+        counts = [count(tokenizer, n, policy, args.reorder, args.undo, args.turn, args.recall, args.after) for n in args.layers]
         ops = " / ".join(str(sum(c.ops.values())) for c in counts)
         syncs = " / ".join(str(c.syncs) for c in counts)
         print(f"{policy:10s} layers {' / '.join(map(str, args.layers))}: operations {ops}, syncs {syncs}")

@@ -93,8 +93,8 @@ def test_tova_keeps_what_the_newest_query_attends_to():
     window[0, 0, 7] = 0.4
     window[1, 0, 1] = 0.4
     scores = make_policy("tova").score(_view(window=window, heads=2))
-    assert scores.shape == (10,)  # averaged over heads: both heads keep the same tokens
-    assert torch.topk(scores, 1).indices.item() == 3
+    assert torch.equal(scores, window[:, 0].mean(0).expand(2, -1))  # averaged over heads: both keep the same tokens
+    assert torch.topk(scores[0], 1).indices.item() == 3
 
 
 def test_snapkv_pools_votes_over_neighbours():
@@ -150,6 +150,38 @@ def test_headaware_budgets_follow_classes_and_sum_to_the_layer_total():
     # Online refresh: the budgets move toward a new target with a decreasing step, not at once.
     (again,) = policy.allocate([_view(window=torch.cat([flat, flat, flat]), heads=3)], budget=20, minimum=9)
     assert budgets[0] < again[0] < 20
+
+
+def test_headaware_classifies_layers_of_different_lengths_together_as_each_alone():
+    """Several layers' heads are classified at once (their windows zero-padded to the longest, one read back):
+    every layer gets the classes it gets alone, and each head is scored by its class's rule whether its layer mixes
+    classes or not."""
+    policy = make_policy("headaware")
+    local = lambda q, n: torch.cat([torch.full((max(q - 4, 0),), 1e-4), torch.ones(n - max(q - 4, 0))])  # noqa: E731
+    periodic = lambda q, n: torch.full((n,), 0.02).index_fill(0, torch.arange(q % 8, q + 1, 8), 1.0)  # noqa: E731
+    flat = lambda q, n: torch.ones(n)  # noqa: E731
+    layers = [(local, periodic, flat, 64), (flat, flat, local, 48), (periodic, local, local, 57)]
+    views = [_view(window=torch.cat([_rows(p, n=n) for p in pats]), heads=3, layer=i, acc=torch.rand(3, n))
+             for i, (*pats, n) in enumerate(layers)]
+    alone = [policy.classify(policy.head_features(v.window, v.valid)) for v in views]
+    assert policy.layer_classes(views) == alone == [["local", "induction", "retrieval"],
+                                                    ["retrieval", "retrieval", "local"],
+                                                    ["induction", "local", "local"]]
+    policy.allocate(views, budget=20, minimum=9)
+    mixed = policy.score(views[0])
+    for head, cls in enumerate(policy.classes[0]):  # the same head in a layer of its class alone
+        policy.classes[0] = [cls] * 3
+        assert torch.equal(policy.score(views[0])[head], mixed[head]), cls
+
+
+def test_cake_weighs_layers_of_different_lengths_together_as_each_alone():
+    policy = make_policy("cake")
+    views = [_view(window=_rows(p, n=n), layer=i) for i, (p, n) in
+             enumerate([(lambda q, n: torch.ones(n), 64), (lambda q, n: torch.rand(n) ** 4, 40),
+                        (lambda q, n: torch.rand(n), 64)])]
+    policy.allocate(views, budget=30, minimum=5)
+    alone = [policy.preference(*(float(t) for t in policy.preference_terms(v.window, v.valid))) for v in views]
+    assert policy.preferences == pytest.approx(alone, rel=1e-5)
 
 
 def _sink_rows():
