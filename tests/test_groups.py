@@ -84,3 +84,25 @@ def test_per_head_counts_and_padded_heads():
     keep = select_keep(scores, [3, 2], protected, groups, valid=valid)
     # head 0: group 1 (mean 3.5) whole, then the best token of group 0; head 1: group 0, then group 1 cut
     assert [k.tolist() for k in keep] == [[1, 2, 3], [0, 1]]
+
+
+def test_the_groups_a_compression_gave_up_are_counted_without_reading_back():
+    """The evicted-groups statistic of a compression stays on the device until the turn closes; it counts the groups
+    the first head held (dropped and empty slots aside) and kept nothing of."""
+    from kvchat.core.cache.compress import Evictions, Plan, groups_given_up
+    from kvchat.policies import LayerView
+
+    positions = torch.tensor([[3, 4, 5, 6, 7, 8, 9, -1]])
+    valid = torch.tensor([[True, True, True, True, False, True, True, False]])  # slot 4 dropped, slot 7 empty
+    groups = torch.tensor([[0, 0, 1, 1, 2, 3, 3, -1]])
+    view = LayerView(0, positions, valid, torch.zeros(1, 1, 8, 4), groups=groups)
+    plan = Plan(None, view, [2], index=torch.tensor([[1, 5, 8]]), kept=[2])  # keeps slots 1 and 5: groups 0 and 3
+    given_up = groups_given_up(plan)
+    assert isinstance(given_up, torch.Tensor) and int(given_up) == 1  # held 0, 1, 3 (2 was dropped): 1 gone
+    view.groups = None  # per token: the 6 held positions, 2 kept
+    assert int(groups_given_up(plan)) == 4
+    evictions = Evictions()
+    evictions.record({"evicted_tokens": 4, "evicted_groups": groups_given_up(plan)})
+    evictions.record({"evicted_tokens": 1, "evicted_groups": 1})
+    counts = [e["evicted_groups"] for e in evictions.take()]  # read back, all at once, as the turn closes
+    assert counts == [4, 1] and all(type(n) is int for n in counts) and evictions.events == []

@@ -52,6 +52,18 @@ def test_rotation_composes_and_inverts():
     torch.testing.assert_close(rotary.rotate(there, -torch.tensor([3, 1, 4, 1, 5])), keys, atol=1e-5, rtol=1e-5)
 
 
+def test_the_cpus_shortcuts_give_the_angles_a_gpu_computes_for_every_key():
+    """On the CPU, many keys with few distinct deltas take cos/sin once per delta (and a repeated call reuses the
+    last); a GPU computes every key's: the same bits."""
+    inv = 1.0 / (10000 ** (torch.arange(0, 64, 2).float() / 64))
+    delta = torch.randint(-40, 900, (16, 8, 300))  # 38,400 keys, 940 distinct deltas: the gathered path
+    rotary = Rotary(inv)
+    for _ in range(2):  # computed, then reused
+        cos, sin = rotary._trig(delta)
+        angle = delta.to(torch.float32)[..., None] * inv
+        assert torch.equal(cos, angle.cos()) and torch.equal(sin, angle.sin())
+
+
 def test_reused_trig_gives_the_result_of_a_fresh_rotation():
     """A rotation by the deltas of the call before reuses their cos/sin; any other deltas are computed anew."""
     inv = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))

@@ -20,6 +20,7 @@ policy runs.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -44,9 +45,17 @@ class Evictions:
         self.events.append(event)
         self.total += event["evicted_tokens"]
 
+    def settle(self) -> list[dict]:
+        """The events so far, their counts left on the device (``groups_given_up``) read back, all at once."""
+        pending = [e for e in self.events if isinstance(e["evicted_groups"], torch.Tensor)]
+        if pending:
+            for e, n in zip(pending, torch.stack([e["evicted_groups"] for e in pending]).tolist()):
+                e["evicted_groups"] = n
+        return self.events
+
     def take(self) -> list[dict]:
         """The events so far, which the closing turn commits; the list starts afresh."""
-        events, self.events = self.events, []
+        events, self.events = self.settle(), []
         return events
 
 
@@ -106,9 +115,10 @@ class Plan:
     kept: list[int] | None = None
 
 
-def select(session, plans: list[Plan]) -> None:
+def select(session, plans: list[Plan], prefixes: bool = True) -> None:
     """Turn each plan's scores into the slots it keeps (``select_keep``), one call for all layers of the same shape
-    (their heads stacked as rows)."""
+    (their heads stacked as rows). ``prefixes``: each head's valid slots are its first ``lens`` (nothing dropped),
+    so that how many each holds is known without reading it back."""
     batches: dict[tuple, list[Plan]] = {}
     for p in plans:
         key = (tuple(p.view.positions.shape[1:]), p.view.groups is None, p.scores.dim() == 1)
@@ -121,8 +131,9 @@ def select(session, plans: list[Plan]) -> None:
         scores = torch.cat([p.scores.expand(h, -1) for p, h in zip(batch, heads)])
         groups = None if batch[0].view.groups is None else torch.cat([p.view.groups for p in batch])
         index, kept = select_keep_padded(scores, [c for p in batch for c in p.counts], safe, groups,
-                                         session.settings.aggregate, torch.cat([p.view.valid for p in batch]))
-        for p, rows in zip(batch, torch.tensor(heads).cumsum(0).tolist()):
+                                         session.settings.aggregate, torch.cat([p.view.valid for p in batch]),
+                                         lens if prefixes else None)
+        for p, rows in zip(batch, itertools.accumulate(heads)):
             p.index, p.kept = index[rows - p.layer.heads: rows], kept[rows - p.layer.heads: rows]
 
 
@@ -167,16 +178,11 @@ def compress(session, keep: int, reason: str, drop: torch.Tensor | None = None, 
             if policy.layer_independent and reference is None:
                 reference = plan
         plans.append(plan)
-    select(session, [p for p in plans if p.same_as is None])
+    select(session, [p for p in plans if p.same_as is None], drop is None or not drop.numel())
     for plan in plans:
         if plan.same_as is not None:
             plan.index, plan.kept = plan.same_as.index, plan.same_as.kept
-    first = plans[0].view
-    held = first.positions[0][first.valid[0]]
-    g = held if first.groups is None else first.groups[0][first.valid[0]]
-    chosen = plans[0].index[0, :plans[0].kept[0]].to(first.positions.device)
-    kept_groups = first.positions[0][chosen] if first.groups is None else first.groups[0][chosen]
-    evicted_groups = torch.unique(g).numel() - torch.unique(kept_groups).numel()
+    evicted_groups = groups_given_up(plans[0])
     next_pos = max(k for p in plans for k in p.kept)
     rotary = session.model.rotary if s.positions == "rerotate" else None
     slab.move([p.layer for p in plans], [p.index for p in plans], [p.kept for p in plans], rotary, next_pos,
@@ -187,6 +193,21 @@ def compress(session, keep: int, reason: str, drop: torch.Tensor | None = None, 
                               "total_tokens": session.log.n, "created_at": now_iso()})
     if session.recall_release:  # the reply's first compression kept what recall brought back; now the policy decides
         session.recall_guard, session.recall_release = session.recall_guard[:0], False
+
+
+def groups_given_up(plan: Plan) -> torch.Tensor:
+    """How many groups (tokens, per token) the first head of ``plan``'s layer held and kept none of: a count left
+    on the device, read back when the turn closes (``Evictions.settle``), so that a compression does not wait for
+    the GPU for a statistic. Distinct groups are counted on sorted ids (empty and dropped slots as -1)."""
+    view = plan.view
+    ids = view.positions[0] if view.groups is None else view.groups[0]
+
+    def distinct(values: torch.Tensor) -> torch.Tensor:
+        ordered = values.sort().values
+        return (ordered[1:] != ordered[:-1]).sum() + (ordered[:1] >= 0).sum()  # runs; the first unless it is -1
+
+    held = distinct(ids.masked_fill(~view.valid[0], -1))
+    return held - distinct(ids[plan.index[0, :plan.kept[0]].to(ids.device)])
 
 
 def reorder(session, brought: torch.Tensor) -> None:

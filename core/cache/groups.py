@@ -66,20 +66,21 @@ def select_keep(
     return [index[h, :c] for h, c in enumerate(counts)]
 
 
-def select_keep_padded(scores, keep, protected, groups=None, aggregate="mean", valid=None) \
+def select_keep_padded(scores, keep, protected, groups=None, aggregate="mean", valid=None, held=None) \
         -> tuple[torch.Tensor, list[int]]:
     """``select_keep`` as one tensor: [heads, most kept], head h's slots ascending in its first ``counts[h]``
-    columns (the rest padding), and the counts."""
+    columns (the rest padding), and the counts. ``held``: how many slots each head holds where ``valid`` is each
+    head's first ones and the caller knows them (else they are read back from ``valid``)."""
     heads, n = scores.shape
     if valid is None:
         valid = torch.ones(heads, n, dtype=torch.bool, device=scores.device)
-    held = valid.sum(1).tolist()
+    held = valid.sum(1).tolist() if held is None else held
     counts = [min(k, m) for k, m in zip([keep] * heads if isinstance(keep, int) else keep, held)]
     scores = scores.float().masked_fill(~valid, float("-inf"))
     protected = protected & valid
     if groups is None:
         key = scores.masked_fill(protected, float("inf"))
-        if len(set(counts)) == 1 and bool(valid.all()):
+        if len(set(counts)) == 1 and min(held, default=n) == n:  # every slot of every head held
             return torch.topk(key, counts[0], dim=-1).indices.sort(dim=-1).values, counts
         order = torch.argsort(key, dim=-1, descending=True, stable=True)
     else:

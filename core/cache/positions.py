@@ -80,14 +80,19 @@ class Rotary:
         return out.to(keys.dtype)
 
     def _trig(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of ``delta`` times each frequency. A compression rotates every layer's keys by the same
-        deltas when the layers keep the same positions (``streaming``, ``window``, recall's put-back): the last
-        call's are reused when ``delta`` is equal, which leaves the result bit for bit the same."""
+        """cos and sin of ``delta`` times each frequency. On the CPU, a compression rotates every layer's keys by the
+        same deltas when the layers keep the same positions (``streaming``, ``window``, recall's put-back): the last
+        call's are reused when ``delta`` is equal, and many keys with few distinct deltas take them once per delta;
+        either leaves the result bit for bit the same. A GPU computes every key's in microseconds, where comparing
+        the deltas or reading their range back would wait for it."""
+        inv_freq = self.inv_freq.to(delta.device)
+        if delta.device.type != "cpu":
+            freqs = delta.to(torch.float32)[..., None] * inv_freq
+            return freqs.cos(), freqs.sin()
         last = self._last  # one read: sessions in other threads may replace it
         if last is not None and last[0].shape == delta.shape and last[0].device == delta.device and \
                 last[0].dtype == delta.dtype and torch.equal(last[0], delta):
             return last[1], last[2]
-        inv_freq = self.inv_freq.to(delta.device)
         lo, hi = (int(x) for x in torch.aminmax(delta)) if delta.numel() > 1024 and not delta.is_floating_point() \
             else (0, delta.numel())
         if hi - lo + 1 < delta.numel() // 4:

@@ -338,7 +338,7 @@ class Session(Feeding, Generation, SessionReads):
         res.cache_tokens, res.cache_bytes = self.cache.mean_length, self.cache.nbytes
         res.peak_cache_tokens = max(self.evictions.peak, res.cache_tokens)
         res.evicted_tokens = sum(e["evicted_tokens"] for e in self.evictions.events)
-        res.evicted_groups = sum(e["evicted_groups"] for e in self.evictions.events)
+        res.evicted_groups = sum(e["evicted_groups"] for e in self.evictions.settle())
         res.warnings = list(self._warnings)
         self.recall_guard, self.recall_release = self.recall_guard[:0], False
         if self.digests is not None and self.digests.active:
