@@ -345,9 +345,11 @@ def test_gpu_speed_bench_runs_its_whole_grid_on_a_tiny_model(default_dir, tmp_pa
     assert "tiny streaming (uncaptured):" in report
     squeezed = [r for r in rows if r.get("compress_profile")]  # each policy at the first budget, the first variant
     assert [(r["policy"], r["step"]) for r in squeezed] == [("streaming", "graph"), ("h2o", "graph")]
-    for r in squeezed:  # on the CPU no kernels: the host's operators, a read of a value among them
+    # on the CPU no kernels: the host's operators; and no value read back (the evicted groups are counted on the
+    # device and read when the turn closes)
+    for r in squeezed:
         p = r["compress_profile"]
         assert p["wall_ms"] > 0 and p["kernels"] == 0 and p["host_ops"] > 10 and p["host_us"] > 0
-        assert p["waits"] >= 1 and len(p["top_host"]) == 8
+        assert p["waits"] == 0 and len(p["top_host"]) == 8
         assert all(k["name"].startswith("aten::") for k in p["top_host"])
     assert "tiny streaming: a compression" in report and "tiny h2o: a compression" in report
