@@ -111,7 +111,8 @@ def main() -> None:
     args = parser.parse_args()
     tokenizer = AutoTokenizer.from_pretrained(loading.default_model_dir())
     for policy in args.policies:
-        counts = [count(tokenizer, n, policy, args.reorder, args.undo, args.turn, args.recall, args.after) for n in args.layers]
+        counts = [count(tokenizer, n, policy, args.reorder, args.undo, args.turn, args.recall, args.after)
+                  for n in args.layers]
         ops = " / ".join(str(sum(c.ops.values())) for c in counts)
         syncs = " / ".join(str(c.syncs) for c in counts)
         print(f"{policy:10s} layers {' / '.join(map(str, args.layers))}: operations {ops}, syncs {syncs}")
