@@ -89,18 +89,25 @@ OBS_WINDOW = Param("obs_window", int, 32, "latest queries whose attention is obs
 class LayerView:
     """What a policy may look at when scoring one layer's cached positions.
 
-    Per KV head, slots are in time order. Heads may hold different numbers of positions (per-head budgets):
-    tensors are padded to the fullest head and ``valid`` says which slots hold a position.
+    Per KV head, slots are in time order. Heads may hold different numbers of positions (per-head budgets), and
+    layers too (per-layer budgets): tensors are padded to the fullest head of any layer the compression scores
+    and ``valid`` says which slots hold a position.
     """
 
     layer: int
     positions: torch.Tensor  # [heads, n] absolute positions (-1 where a head holds fewer)
     valid: torch.Tensor  # [heads, n] bool
-    keys: torch.Tensor  # [1, heads, n, head_dim]
+    held_keys: torch.Tensor  # [1, heads, m, head_dim]: the layer's own, m <= n its fullest head (``keys``: padded)
     acc: torch.Tensor | None = None  # [heads, n] attention received so far (policies observing "acc")
     window: torch.Tensor | None = None  # [heads, rows, n] attention of the last queries (observing "window")
     groups: torch.Tensor | None = None  # [heads, n] group id of each slot in sentence/turn mode
     fed: int = 0  # tokens fed so far and the chunk the compression makes room for (the absolute position after it)
+
+    @property
+    def keys(self) -> torch.Tensor:
+        """[1, heads, n, head_dim], zeros past the layer's fullest head (a copy where the view is wider)."""
+        pad = self.positions.shape[1] - self.held_keys.shape[2]
+        return self.held_keys if not pad else torch.nn.functional.pad(self.held_keys, (0, 0, 0, pad))
 
     @property
     def recency(self) -> torch.Tensor:
@@ -181,6 +188,9 @@ def window_batches(views: list[LayerView], most: int = 1 << 22):
         size = max(1, most // (shape[0] * shape[1] * max(n, 1)))
         for at in range(0, len(layers), size):
             batch = layers[at: at + size]
+            if all(views[i].window.shape[-1] == n for i in batch):  # as wide (a compression pads them alike)
+                yield batch, torch.stack([views[i].window for i in batch]), torch.stack([views[i].valid for i in batch])
+                continue
             windows = torch.zeros(len(batch), *shape, n, dtype=dtype, device=device)
             valid = torch.zeros(len(batch), shape[0], n, dtype=torch.bool, device=device)
             for b, i in enumerate(batch):

@@ -135,9 +135,9 @@ class HeadAware(Policy):
             kept.append(split_budget(current, heads * budget, floor))
         self.step += 1
         self.classes, self.budgets, self.kept = classes, budgets, kept
-        head_dim = views[0].keys.shape[-1]
+        head_dim = views[0].held_keys.shape[-1]
         always = minimum - 1 + (self.new_tokens if floor > minimum else 0)
-        self.memory_bound = sum(len(c) for c in classes) * head_dim * always * 2 * views[0].keys.element_size()
+        self.memory_bound = sum(len(c) for c in classes) * head_dim * always * 2 * views[0].held_keys.element_size()
         for layer_kept in kept:
             assert min(layer_kept) >= always, "a head's budget must hold its sink, window and newest group"
         return kept

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kvchat.core.cache import observe
 from kvchat.core.cache.attention import causal_mask, kvchat_attention
 from kvchat.core.cache.kvcache import KVCache, RaggedKV
 from kvchat.core.cache.groups import select_keep
@@ -341,23 +342,74 @@ def test_observer_window_holds_the_latest_queries_exactly(held, tiny, tokenizer,
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
 
 
-@pytest.mark.parametrize("ragged", [False, True])
-def test_window_attention_of_every_layer_at_once_is_each_layers(ragged, tiny):
-    """A compression reads the window's attention of every layer in one batched product where the layers are alike
-    (``Observer.window_attentions``): the same probabilities as each layer's own, its queries rotated to the cache as
-    it is now, after compressions and decode steps; a layer whose heads hold different numbers (``ragged``) is read
-    by itself beside the others."""
+@pytest.mark.parametrize("shape", ["alike", "ragged", "lengths", "lengths, a product a layer"])
+def test_window_attention_of_every_layer_at_once_is_each_layers(shape, tiny, monkeypatch):
+    """A compression reads the window's attention of every layer in one batched product where the layers' heads
+    hold equally many (``Observer.window_attentions``): the same probabilities as each layer's own, its queries
+    rotated to the cache as it is now, after compressions and decode steps; layers of different lengths
+    (``lengths``, as ``cake``'s) padded to the longest, each row seeing its own layer's slots up to its own; a layer
+    whose heads hold different numbers (``ragged``) read by itself beside the others; asked wider, each the same
+    with zeros past it; in products of fewer layers where the keys would take more than ``WINDOW_KEYS``."""
+    if shape.endswith("a layer"):
+        monkeypatch.setattr(observe, "WINDOW_KEYS", 1)
     session = Session(tiny("llama"), Settings(policy="snapkv", budget=40, window=8, slack=8, recall="off",
                                               params={"obs_window": 6}), sampling=GREEDY)
     for message in CHAT:
         session.chat(message)
     assert session.evicted_total > 0
     last = session.cache.layers[-1]
-    if ragged:
+    if shape == "ragged":
         last.keep([torch.arange(1, last.lens[0])] + [torch.arange(n) for n in last.lens[1:]])
-    assert last.uniform != ragged
+    if shape.startswith("lengths"):  # the last layer three slots shorter than the others, its heads still alike
+        last.keep([torch.arange(3, n) for n in last.lens])
+    assert last.uniform != (shape == "ragged")
     layers = list(range(len(session.cache.layers)))
+    assert len({session.cache.layers[li].length for li in layers}) == (2 if shape.startswith("lengths") else 1)
     rotary, at = session.model.rotary, session.cache.length
     together = session.observer.window_attentions(layers, rotary, at)
-    for li, got in zip(layers, together):
-        torch.testing.assert_close(got, session.observer.window_attention(li, rotary, at), rtol=0, atol=1e-6)
+    own = [session.observer.window_attention(li, rotary, at) for li in layers]
+    wide = session.observer.window_attentions(layers, rotary, at, width=session.cache.length + 4)
+    for li, got, alone, padded in zip(layers, together, own, wide):
+        n = session.cache.layers[li].length
+        assert alone.shape[-1] == n and padded.shape[-1] == session.cache.length + 4
+        torch.testing.assert_close(got[..., :n], alone, rtol=0, atol=1e-6)
+        torch.testing.assert_close(padded[..., :n], alone, rtol=0, atol=1e-6)
+        assert not got[..., n:].any() and not padded[..., n:].any()
+
+
+@pytest.mark.parametrize("policy", ["streaming", "window", *ATTENTION_POLICIES])
+def test_a_layer_scored_wider_than_it_holds_scores_and_keeps_as_alone(policy, tiny):
+    """A compression whose layers hold different lengths (``cake``'s) gives every layer's view the width of the
+    longest (``compress.layer_view``), so that one selection serves all: padding must read as slots no head holds.
+    Each policy's allocation, its scores of the held slots and the slots it keeps are the same at the layer's own
+    width and 5 slots wider."""
+    from kvchat.core.cache.compress import layer_view, protected, valid_masks
+    from kvchat.core.cache.groups import select_keep_padded
+
+    session = Session(tiny("llama"), Settings(policy=policy, budget=40, window=8, slack=8, recall="off",
+                                              groups="sentence"), sampling=GREEDY)
+    for message in CHAT:
+        session.chat(message)
+    assert session.evicted_total > 0
+    layers = [(li, layer) for li, layer in enumerate(session.cache.layers)]
+    rotary, at = session.model.rotary, session.cache.length
+
+    def views(width):
+        windows = session.observer.window_attentions([li for li, _ in layers], rotary, at, width) \
+            if session.observer is not None else [None] * len(layers)
+        masks = [valid_masks([layer], width)[0] for _, layer in layers]
+        return [layer_view(session, li, layer, m, w, width) for (li, layer), m, w in zip(layers, masks, windows)]
+
+    n = max(layer.length for _, layer in layers)
+    own, wide = views(n), views(n + 5)
+    assert all(v.positions.shape[1] == n + 5 and v.keys.shape[2] == n + 5 for v in wide)
+    alloc = [session.policy.allocate(v, 30, 10) for v in (own, wide)]
+    assert alloc[0] == alloc[1]
+    for (li, layer), a, b in zip(layers, own, wide):
+        sa, sb = session.policy.score(a), session.policy.score(b)
+        sa, sb = sa.expand(layer.heads, -1), sb.expand(layer.heads, -1)
+        torch.testing.assert_close(sb[:, :n][a.valid], sa[a.valid], rtol=1e-6, atol=0)
+        keep = alloc[0][li] if alloc[0] is not None else [30] * layer.heads
+        kept = [select_keep_padded(s, keep, protected(session, v.positions, list(layer.lens), keep), v.groups,
+                                   "mean", v.valid, list(layer.lens)) for s, v in ((sa, a), (sb, b))]
+        assert kept[0][1] == kept[1][1] and torch.equal(kept[0][0], kept[1][0]), li

@@ -148,13 +148,16 @@ def compress(session, keep: int, reason: str, drop: torch.Tensor | None = None, 
     before = cache.mean_length
     session.evictions.peak = max(session.evictions.peak, before)  # the cache is fullest right before a compression
     layers = [(li, layer) for li, layer in enumerate(cache.layers) if layer.is_initialized]
-    valid: dict[tuple, torch.Tensor] = {}  # layers whose heads hold equally many share one (read-only) mask
+    # every layer's view as wide as the longest (where layers hold different lengths, as cake's do): one selection,
+    # one window product for all, not one per length
+    width = max(layer.length for _, layer in layers)
     windows = [None] * len(layers)
     if "window" in policy.observes and session.observer is not None:
         rerotate = s.positions == "rerotate"
         windows = session.observer.window_attentions([li for li, _ in layers], session.model.rotary if rerotate
-                                                     else None, cache.length if rerotate else None)
-    views = [layer_view(session, li, layer, valid, w) for (li, layer), w in zip(layers, windows)]
+                                                     else None, cache.length if rerotate else None, width)
+    views = [layer_view(session, li, layer, mask, w, width)
+             for (li, layer), mask, w in zip(layers, valid_masks([layer for _, layer in layers], width), windows)]
     if drop is not None and drop.numel():
         for view in views:
             view.valid = view.valid & ~torch.isin(view.positions, drop.to(view.positions.device))
@@ -286,18 +289,32 @@ def like_first(views: list[LayerView]) -> list[bool]:
     return out
 
 
-def layer_view(session, li: int, layer, valid: dict, window: torch.Tensor | None) -> LayerView:
-    """What the policy may look at in layer ``li``: positions, keys, groups and the statistics it observes (the
-    window's attention, ``window``, computed for every layer at once). ``valid``: the masks of heads' held slots made
-    so far, by the heads' lengths (one per compression)."""
+def valid_masks(layers, width: int) -> list[torch.Tensor]:
+    """Each layer's [heads, width] mask of the slots its heads hold: one comparison per device for every layer
+    (read-only slices of one mask)."""
+    rows: dict[object, list[int]] = {}
+    for layer in layers:
+        rows.setdefault(layer.device, []).extend(layer.lens)
+    masks = {device: torch.arange(width, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+             for device, lens in rows.items()}
+    out, at = [], dict.fromkeys(rows, 0)
+    for layer in layers:
+        out.append(masks[layer.device][at[layer.device]: at[layer.device] + layer.heads])
+        at[layer.device] += layer.heads
+    return out
+
+
+def layer_view(session, li: int, layer, valid: torch.Tensor, window: torch.Tensor | None, width: int) -> LayerView:
+    """What the policy may look at in layer ``li``, [heads, width] (``width``: at least the layer's longest head;
+    padded past it as past a shorter head): positions, keys, groups and the statistics it observes (the window's
+    attention, ``window``, computed for every layer at once); ``valid``: the mask of the heads' held slots."""
     positions = layer.positions()
-    key = (tuple(layer.lens), layer.device)
-    if key not in valid:
-        valid[key] = layer.valid()
-    mask = valid[key]
-    view = LayerView(li, positions, mask, layer.keys_dense(), groups=group_ids(session, positions),
+    if positions.shape[1] < width:
+        positions = torch.nn.functional.pad(positions, (0, width - positions.shape[1]), value=-1)
+    view = LayerView(li, positions, valid, layer.keys_dense(), groups=group_ids(session, positions),
                      fed=session.log.n - session.unread)
     if "acc" in session.policy.observes and "acc" in layer.stats:
-        view.acc = layer.padded(layer.stats["acc"])
+        acc = layer.padded(layer.stats["acc"])
+        view.acc = acc if acc.shape[1] == width else torch.nn.functional.pad(acc, (0, width - acc.shape[1]))
     view.window = window
     return view

@@ -27,6 +27,10 @@ from .kvcache import KVCache
 from .layer import RaggedKV
 from .positions import Rotary
 
+#: the most key elements the window's product over several layers copies at once in fp32 (256 MiB): more layers go
+#: in further products (an 8B model's 32 layers at budget 4096 in three)
+WINDOW_KEYS = 1 << 26
+
 
 class Observer:
     def __init__(self, cache: KVCache, accumulate: bool, window: int):
@@ -204,12 +208,14 @@ class Observer:
         """Attention of the remembered queries over layer ``layer_idx``'s current keys (``window_attentions``)."""
         return self.window_attentions([layer_idx], rotary, next_pos)[0]
 
-    def window_attentions(self, layers: list[int], rotary: Rotary | None, next_pos: int | None) -> list:
-        """Attention of the remembered queries over each of ``layers``' current keys: [heads, rows, max_len] each
-        (rows = queries remembered, oldest first, moved to the last positions before ``next_pos``; zeros where a
-        shorter head holds nothing; None for a layer with no query remembered). Layers alike (heads of one length,
-        as many queries, the same shapes and scaling) in one batched product; a layer whose heads hold different
-        numbers head by head."""
+    def window_attentions(self, layers: list[int], rotary: Rotary | None, next_pos: int | None,
+                          width: int | None = None) -> list:
+        """Attention of the remembered queries over each of ``layers``' current keys: [heads, rows, width] each
+        (``width``: the layer's longest head unless given, at least that; rows = queries remembered, oldest first,
+        moved to the last positions before ``next_pos``; zeros where a head holds nothing; None for a layer with no
+        query remembered). Layers whose heads hold equally many (as many queries, the same shapes and scaling) in one
+        batched product, those of different lengths padded to the longest (``cake``'s layers); a layer whose heads
+        hold different numbers head by head."""
         for li in layers:
             self._flush(li)
         out, alike = {}, {}
@@ -218,11 +224,18 @@ class Observer:
             if not count:
                 out[li] = None
                 continue
-            key = (count, layer.lens[0], layer.heads, self._queries[li].shape, self._scaling[li], layer.device) \
+            key = (count, layer.heads, self._queries[li].shape, self._scaling[li], layer.device) \
                 if layer.uniform else li
             alike.setdefault(key, []).append(li)
+        batches = []
         for group in alike.values():
+            layer = self.cache.layers[group[0]]
+            most = max(1, WINDOW_KEYS // (layer.heads * max(width or self.cache.length, 1) * layer.keys.shape[-1]))
+            batches += [group[at: at + most] for at in range(0, len(group), most)]
+        for group in batches:
             count, layer, scaling = self._count[group[0]], self.cache.layers[group[0]], self._scaling[group[0]]
+            lens = [self.cache.layers[li].length for li in group]
+            n = max(lens) if width is None else width
             queries = torch.stack([self._queries[li][-count:] for li in group]).transpose(1, 2)  # [L, qh, rows, d]
             if rotary is not None and next_pos is not None:
                 target = torch.arange(next_pos - count, next_pos, device=queries.device, dtype=torch.float32)
@@ -230,11 +243,18 @@ class Observer:
                 queries = rotary.rotate(queries, delta[:, None, :])
             heads = layer.heads
             qf = queries.reshape(len(group) * heads, -1, count, queries.shape[-1])
-            if layer.uniform:
+            if layer.uniform and set(lens) == {n}:
                 keys = torch.stack([self.cache.layers[li].held_keys()[0] for li in group]).float()  # [L, heads, n, d]
                 out.update(zip(group, _probs(qf, keys.flatten(0, 1), scaling).view(len(group), heads, count, -1)))
                 continue
-            probs = torch.zeros(heads, count, layer.length, device=queries.device)
+            if layer.uniform:  # layers of different lengths: keys padded, each layer's rows end at its own last slot
+                keys = torch.zeros(len(group), heads, n, qf.shape[-1], device=qf.device)
+                for i, li in enumerate(group):
+                    keys[i, :, : lens[i]] = self.cache.layers[li].held_keys()[0]
+                ends = torch.tensor(lens, device=qf.device).repeat_interleave(heads)
+                out.update(zip(group, _probs(qf, keys.flatten(0, 1), scaling, ends).view(len(group), heads, count, -1)))
+                continue
+            probs = torch.zeros(heads, count, n, device=queries.device)
             for h in range(heads):
                 keys = layer.keys[layer.offs[h]: layer.offs[h] + layer.lens[h]].float()
                 probs[h, :, : layer.lens[h]] = _probs(qf[h: h + 1], keys[None].expand(1, -1, -1), scaling)[0]
@@ -242,13 +262,19 @@ class Observer:
         return [out[li] for li in layers]
 
 
-def _probs(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
+def _probs(q: torch.Tensor, k: torch.Tensor, scaling: float, ends: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of queries q [heads, groups, rows, dim] over keys k [heads, n, dim], the rows being the
-    last of the n positions; averaged over the groups: [heads, rows, n]."""
+    last of the n positions (of each head's first ``ends[h]``, where given: the keys past them are padding);
+    averaged over the groups: [heads, rows, n]."""
     heads, groups, rows, dim = q.shape
     # One batched matmul per KV head (a broadcast matmul against the strided key view would copy the keys).
     logits = torch.bmm(q.reshape(heads, groups * rows, dim), k.transpose(1, 2)).view(heads, groups, rows, -1)
     logits = logits * scaling
+    if ends is not None:  # row r sees the slots up to its own, ends - rows + r, and nothing past a head's keys
+        last = ends[:, None] - rows + torch.arange(rows, device=q.device)
+        logits = logits.masked_fill(torch.arange(k.shape[1], device=q.device) > last[:, None, :, None],
+                                    float("-inf"))
+        return torch.softmax(logits, dim=-1).mean(1)
     mask = causal_mask(q.shape[2], k.shape[1], q.device)
     if mask is not None:
         logits = logits.masked_fill(~mask[0], float("-inf"))
