@@ -371,19 +371,19 @@ def test_window_attention_of_every_layer_at_once_is_each_layers(shape, tiny, mon
     wide = session.observer.window_attentions(layers, rotary, at, width=session.cache.length + 4)
     for li, got, alone, padded in zip(layers, together, own, wide):
         n = session.cache.layers[li].length
-        assert alone.shape[-1] == n and padded.shape[-1] == session.cache.length + 4
-        torch.testing.assert_close(got[..., :n], alone, rtol=0, atol=1e-6)
+        assert got.shape == alone.shape and alone.shape[-1] == n and padded.shape[-1] == session.cache.length + 4
+        torch.testing.assert_close(got, alone, rtol=0, atol=1e-6)
         torch.testing.assert_close(padded[..., :n], alone, rtol=0, atol=1e-6)
-        assert not got[..., n:].any() and not padded[..., n:].any()
+        assert not padded[..., n:].any()
 
 
 @pytest.mark.parametrize("policy", ["streaming", "window", *ATTENTION_POLICIES])
 def test_a_layer_scored_wider_than_it_holds_scores_and_keeps_as_alone(policy, tiny):
     """A compression whose layers hold different lengths (``cake``'s) gives every layer's view the width of the
     longest (``compress.layer_view``), so that one selection serves all: padding must read as slots no head holds.
-    Each policy's allocation, its scores of the held slots and the slots it keeps are the same at the layer's own
-    width and 5 slots wider."""
-    from kvchat.core.cache.compress import layer_view, protected, valid_masks
+    Each policy's allocation, its scores of the held slots and the slots it keeps are the same at each layer's own
+    width and 5 slots wider than the longest, the last layer three slots shorter than the others."""
+    from kvchat.core.cache.compress import group_ids, layer_view, protected, valid_masks
     from kvchat.core.cache.groups import select_keep_padded
 
     session = Session(tiny("llama"), Settings(policy=policy, budget=40, window=8, slack=8, recall="off",
@@ -394,21 +394,32 @@ def test_a_layer_scored_wider_than_it_holds_scores_and_keeps_as_alone(policy, ti
     layers = [(li, layer) for li, layer in enumerate(session.cache.layers)]
     rotary, at = session.model.rotary, session.cache.length
 
-    def views(width):
+    def views(width):  # None: each layer's own
         windows = session.observer.window_attentions([li for li, _ in layers], rotary, at, width) \
             if session.observer is not None else [None] * len(layers)
-        masks = [valid_masks([layer], width)[0] for _, layer in layers]
-        return [layer_view(session, li, layer, m, w, width) for (li, layer), m, w in zip(layers, masks, windows)]
+        assert all(w is None or w.shape[-1] == (width or layer.length) for w, (_, layer) in zip(windows, layers))
+        widths = [width or layer.length for _, layer in layers]
+        masks = [valid_masks([layer], w)[0] for (_, layer), w in zip(layers, widths)]
+        out = [layer_view(session, li, layer, m, w, n) for (li, layer), m, w, n in zip(layers, masks, windows, widths)]
+        for view, ids in zip(out, group_ids(session, [view.positions for view in out])):
+            view.groups = ids
+        return out
 
+    last = layers[-1][1]  # three slots shorter than the others, as cake's layers are after their own budgets
+    last.keep([torch.arange(3, n) for n in last.lens])
     n = max(layer.length for _, layer in layers)
-    own, wide = views(n), views(n + 5)
+    assert last.length == n - 3
+    own, wide = views(None), views(n + 5)
     assert all(v.positions.shape[1] == n + 5 and v.keys.shape[2] == n + 5 for v in wide)
+    for (_, layer), a, b in zip(layers, own, wide):
+        m = layer.length
+        assert a.positions.shape[1] == m and torch.equal(b.groups[:, :m], a.groups) and (b.groups[:, m:] == -1).all()
     alloc = [session.policy.allocate(v, 30, 10) for v in (own, wide)]
     assert alloc[0] == alloc[1]
     for (li, layer), a, b in zip(layers, own, wide):
         sa, sb = session.policy.score(a), session.policy.score(b)
         sa, sb = sa.expand(layer.heads, -1), sb.expand(layer.heads, -1)
-        torch.testing.assert_close(sb[:, :n][a.valid], sa[a.valid], rtol=1e-6, atol=0)
+        torch.testing.assert_close(sb[:, :layer.length][a.valid], sa[a.valid], rtol=1e-6, atol=0)
         keep = alloc[0][li] if alloc[0] is not None else [30] * layer.heads
         kept = [select_keep_padded(s, keep, protected(session, v.positions, list(layer.lens), keep), v.groups,
                                    "mean", v.valid, list(layer.lens)) for s, v in ((sa, a), (sb, b))]

@@ -158,6 +158,8 @@ def compress(session, keep: int, reason: str, drop: torch.Tensor | None = None, 
                                                      else None, cache.length if rerotate else None, width)
     views = [layer_view(session, li, layer, mask, w, width)
              for (li, layer), mask, w in zip(layers, valid_masks([layer for _, layer in layers], width), windows)]
+    for view, ids in zip(views, group_ids(session, [view.positions for view in views])):
+        view.groups = ids
     if drop is not None and drop.numel():
         for view in views:
             view.valid = view.valid & ~torch.isin(view.positions, drop.to(view.positions.device))
@@ -266,14 +268,24 @@ def protected(session, positions: torch.Tensor, lens: list[int], keep: int | lis
     return safe
 
 
-def group_ids(session, positions: torch.Tensor) -> torch.Tensor | None:
-    """[heads, n] the eviction group of each slot (sentence or message id; -1 for empty slots), None per token."""
+def group_ids(session, positions: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Each [heads, n] tensor of ``positions``' eviction group of each slot (sentence or message id; -1 for empty
+    slots), None per token. The token log is on the host: one copy there and back per device for every layer (a copy
+    per layer waited for a GPU each time)."""
     mode = session.settings.groups
     if mode == "token":
-        return None
-    ids = session.log.at("sentence" if mode == "sentence" else "message", positions.clamp(min=0).cpu())
-    ids = ids.to(positions.device).long()
-    return ids.masked_fill(positions < 0, -1)
+        return [None] * len(positions)
+    column = "sentence" if mode == "sentence" else "message"
+    out: list[torch.Tensor | None] = [None] * len(positions)
+    by_device: dict[object, list[int]] = {}
+    for i, p in enumerate(positions):
+        by_device.setdefault((p.device, p.shape[1]), []).append(i)
+    for (device, _), members in by_device.items():
+        held = torch.cat([positions[i] for i in members])
+        ids = session.log.at(column, held.clamp(min=0).cpu()).to(device).long().masked_fill(held < 0, -1)
+        for i, part in zip(members, ids.split([positions[i].shape[0] for i in members])):
+            out[i] = part
+    return out
 
 
 def like_first(views: list[LayerView]) -> list[bool]:
@@ -306,13 +318,13 @@ def valid_masks(layers, width: int) -> list[torch.Tensor]:
 
 def layer_view(session, li: int, layer, valid: torch.Tensor, window: torch.Tensor | None, width: int) -> LayerView:
     """What the policy may look at in layer ``li``, [heads, width] (``width``: at least the layer's longest head;
-    padded past it as past a shorter head): positions, keys, groups and the statistics it observes (the window's
-    attention, ``window``, computed for every layer at once); ``valid``: the mask of the heads' held slots."""
+    padded past it as past a shorter head): positions, keys and the statistics it observes (the window's attention,
+    ``window``, computed for every layer at once); ``valid``: the mask of the heads' held slots. Its groups are set
+    for every layer at once (``group_ids``)."""
     positions = layer.positions()
     if positions.shape[1] < width:
         positions = torch.nn.functional.pad(positions, (0, width - positions.shape[1]), value=-1)
-    view = LayerView(li, positions, valid, layer.keys_dense(), groups=group_ids(session, positions),
-                     fed=session.log.n - session.unread)
+    view = LayerView(li, positions, valid, layer.keys_dense(), fed=session.log.n - session.unread)
     if "acc" in session.policy.observes and "acc" in layer.stats:
         acc = layer.padded(layer.stats["acc"])
         view.acc = acc if acc.shape[1] == width else torch.nn.functional.pad(acc, (0, width - acc.shape[1]))
