@@ -16,6 +16,8 @@ compression already moves in place.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -59,16 +61,15 @@ def allocate(layers, caps: list[list[int]]) -> list[tuple[Slab, int]]:
 def _runs(layers, caps: list[list[int]]) -> list[list[int]]:
     """How ``allocate`` groups ``layers`` into slabs: runs of consecutive layers' indices."""
     runs: list[list[int]] = []
-    used = 0
+    used, last = 0, None
     for i, layer in enumerate(layers):
         spec = layer.slot_spec()
         size = sum(caps[i]) * slot_bytes(spec)
-        if not runs or spec != layers[runs[-1][0]].slot_spec() or layer.device != layers[runs[-1][0]].device \
-                or used + size > SLAB_BYTES:
+        if not runs or spec != last or layer.device != layers[runs[-1][0]].device or used + size > SLAB_BYTES:
             runs.append([])
             used = 0
         runs[-1].append(i)
-        used += size
+        used, last = used + size, spec
     return runs
 
 
@@ -196,4 +197,4 @@ def _pad(index: torch.Tensor, width: int) -> torch.Tensor:
 
 def slot_bytes(spec: dict[str, tuple]) -> int:
     """The bytes one slot takes in every per-slot tensor of ``spec`` (``KVLayer.slot_spec``)."""
-    return sum(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize for dtype, shape, _ in spec.values())
+    return sum(math.prod(shape) * dtype.itemsize for dtype, shape, _ in spec.values())
