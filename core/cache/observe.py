@@ -253,7 +253,7 @@ class Observer:
                     keys[i, :, : lens[i]] = self.cache.layers[li].held_keys()[0]
                 ends = torch.tensor(lens, device=qf.device).repeat_interleave(heads)
                 probs = _probs(qf, keys.flatten(0, 1), scaling, ends).view(len(group), heads, count, -1)
-                out.update((li, p if width else p[..., :m]) for li, p, m in zip(group, probs, lens))
+                out.update((li, p if width is not None else p[..., :m]) for li, p, m in zip(group, probs, lens))
                 continue
             probs = torch.zeros(heads, count, n, device=queries.device)
             for h in range(heads):
