@@ -243,15 +243,15 @@ class Observer:
                 queries = rotary.rotate(queries, delta[:, None, :])
             heads = layer.heads
             qf = queries.reshape(len(group) * heads, -1, count, queries.shape[-1])
-            if layer.uniform and set(lens) == {n}:
-                keys = torch.stack([self.cache.layers[li].held_keys()[0] for li in group]).float()  # [L, heads, n, d]
-                out.update(zip(group, _probs(qf, keys.flatten(0, 1), scaling).view(len(group), heads, count, -1)))
-                continue
-            if layer.uniform:  # layers of different lengths: keys padded, each layer's rows end at its own last slot
-                keys = torch.zeros(len(group), heads, n, qf.shape[-1], device=qf.device)
-                for i, li in enumerate(group):
-                    keys[i, :, : lens[i]] = self.cache.layers[li].held_keys()[0]
-                ends = torch.tensor(lens, device=qf.device).repeat_interleave(heads)
+            if layer.uniform:  # [L, heads, n, d] keys; layers of other lengths padded, each row ending at its own slot
+                held = [self.cache.layers[li].held_keys()[0] for li in group]
+                if set(lens) == {n}:
+                    keys, ends = torch.stack(held).float(), None
+                else:
+                    keys = torch.zeros(len(group), heads, n, qf.shape[-1], device=qf.device)
+                    for i, k in enumerate(held):
+                        keys[i, :, : lens[i]] = k
+                    ends = torch.tensor(lens, device=qf.device).repeat_interleave(heads)
                 probs = _probs(qf, keys.flatten(0, 1), scaling, ends).view(len(group), heads, count, -1)
                 out.update((li, p if width is not None else p[..., :m]) for li, p, m in zip(group, probs, lens))
                 continue
