@@ -19,7 +19,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --f
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 if [ "${TESTS_S:-180}" -gt 0 ]; then
     timeout "${TESTS_S:-180}" python3 -m pytest -q -p no:cacheprovider -m cuda --tb=short tests/test_graph_triton.py tests/test_run_ahead.py \
-        tests/test_durability.py tests/test_graph.py 2>&1 \
+        tests/test_durability.py tests/test_graph.py tests/test_read.py 2>&1 \
         | tee "$OUT/tests.log" | grep -E "^(FAILED|ERROR|E  )|passed|failed" | head -30
 fi
 LEFT=$(( ${TOTAL_S:-550} - (SECONDS - START) ))

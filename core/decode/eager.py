@@ -28,8 +28,10 @@ one token, in one of two ways:
 
 Either way the cache layer records what ``update`` records and the policy's observer sees what it always sees, so
 policies and statistics are the same. It serves decoder layers whose forward is Llama's (``SUPPORTED``:
-Llama, Mistral, Qwen2 — Qwen2's q/k/v biases included); other architectures, reads of several tokens, recall's query
-tap and models dispatched by accelerate hooks run through the model's forward. ``--decode model`` turns it off.
+Llama, Mistral, Qwen2 — Qwen2's q/k/v biases included); other architectures and models dispatched by accelerate hooks
+run through the model's forward. ``--decode model`` turns it off. Reads of several tokens (a message, a long paste's
+chunks, recall's text read again) take ``read``: the model's forward layer by layer without the dispatch, bit for
+bit its logits, cache and statistics (tests/test_read.py).
 tests/test_step.py compares it with the model's forward for each supported family: without the operators the same
 logits bit for bit with the weights as loaded (fp32 or bf16), within 1e-5 with ``--weights half`` (one fp16 product
 for q/k/v instead of three may sum in another order); with them within the fp16 rounding above; the same greedy
@@ -42,13 +44,16 @@ operators took the reply loop from about 22 to 12.4-14.1 ms per token (alternati
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
 from ..cache.attention import kvchat_attention
 from ..cache.layer import RaggedKV
 from ..ops import kernels
-from .parts import ROPE_BLOCK, SUPPORTED, Layer, Norm, blockable, fp32_llama
+from .parts import (ROPE_BLOCK, SUPPORTED, Layer, Norm, blockable, fp32_llama, norm as _norm, 
+                    project as _project)
 from .weights import HalfLinear, on_huge_pages
 
 SHORT_FEED = 4  # tokens the eager step feeds one at a time on kvchat's operators (``DecodeStep.short_feed``)
@@ -81,6 +86,10 @@ class DecodeStep:
         # 134 / 146 / 160 / 171. Elsewhere none (unmeasured: without the operators, or on a GPU, where this step
         # launches about as many kernels for one token as the forward does for all of them).
         self.short_feed = SHORT_FEED if self.without_ops is None else 0
+        # What ``read`` normalises and multiplies each layer by: the model's norms and its linear layers, each its own
+        # product, as the model's forward computes them.
+        self.read_weights = [(lay.norm1, _as_modules(lay.qkv), _as_modules(lay.o), lay.norm2, _as_modules(lay.gate_up),
+                              _as_modules(lay.down)) for lay in self.layers]
 
     def _operators(self, model: nn.Module) -> str | None:
         """Whether every layer can run on kvchat's operators (core/ops/kernels.py: ``layer`` for a whole layer, or
@@ -170,6 +179,35 @@ class DecodeStep:
             observer.positions = pos.to(device)
         return self(ids.to(device), pos.to(device), cache, observer)
 
+    def read(self, ids: torch.Tensor, pos: torch.Tensor, cache, keep: int = 1, **extra) -> torch.Tensor:
+        """The logits of the last ``keep`` (0: all) of several tokens (``ids`` [n]) at rotary positions ``pos``
+        on top of ``cache``: the model's forward (``logits_to_keep=keep``) without transformers' module dispatch,
+        for a message, recall's text read again, a long paste's chunks (core/engine/feeding.py, which sets the
+        cache's incoming positions and passes the policy's observer and recall's query tap in ``extra``, as to the
+        model's forward). Each layer as the model computes it — its norms, q/k/v, the rotary embedding, the cache's
+        update, kvchat's attention function, the output projection, the MLP — with what ``read_weights`` holds:
+        here the model's own norms and weights as loaded (the same logits bit for bit, tests/test_read.py); in the
+        graph step one product for q/k/v and one for gate/up, and its one-kernel norms (core/decode/graph.py). On a
+        GPU, where a read's cost is the operations it dispatches, that is about half of the model's (docs/gpu.md)."""
+        x = self.embed(ids[None])
+        cos, sin = self._rope(x, pos[None])
+        cos, sin = cos[:, None], sin[:, None]  # [1, 1, n, head_dim]
+        n, d = ids.numel(), self.head_dim
+        for i, (lay, (norm1, qkv, o, norm2, gate_up, down)) in enumerate(zip(self.layers, self.read_weights)):
+            nq, nk, _ = lay.split
+            qkv = _project(qkv, _norm(norm1, x))
+            qk = qkv[..., : nq + nk].view(1, n, -1, d).transpose(1, 2)  # [1, query + key heads, n, d]
+            qk = qk * cos + qk.roll(d // 2, -1) * sin  # the model's x * cos + rotate_half(x) * sin, bit for bit
+            v = qkv[..., nq + nk:].view(1, n, -1, d).transpose(1, 2)
+            keys, values = cache.update(qk[:, nq // d:], v, i)
+            out, _ = kvchat_attention(lay.attn, qk[:, : nq // d], keys, values, None, scaling=lay.attn.scaling,
+                                      **extra)
+            x = x + _project(o, out.reshape(1, n, -1))
+            gu = _project(gate_up, _norm(norm2, x))
+            x = x + _project(down, lay.act(gu[..., : lay.inner]) * gu[..., lay.inner:])
+        x = self.norm(x)
+        return self.head(x[:, -keep:] if keep else x)[0]
+
     def __call__(self, token: torch.Tensor, position: torch.Tensor, cache, observer=None) -> torch.Tensor:
         """Logits [1, vocab] for one token id (``token``, shape [1]) at ``position`` ([1]) on top of ``cache``."""
         x, cos, sin = self._embed(token, position)
@@ -228,3 +266,12 @@ class DecodeStep:
             return torch.ops.kvchat.project(x, self.norm.weight, self.norm.eps, self.head.step, self.head.bias, cos,
                                             sin, 0)[0]
         return self.head(self.norm(x))[0]
+
+
+def _as_modules(proj) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A layer's ``Projections`` as the model's own linear layers compute them, one product each (a ``HalfLinear``
+    multiplies one token's row by its fp16 copy and more rows by the loaded weight, as in the model's forward)."""
+    linears = proj.linears
+    if len(linears) == 1:
+        return linears[0]
+    return lambda x: torch.cat([m(x) for m in linears], dim=-1)

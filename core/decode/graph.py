@@ -45,8 +45,8 @@ from torch import nn
 
 from . import graph_triton
 from .eager import DecodeStep
-from .graph_layer import layer as _layer, norm as _norm, norm_of as _norm_of
-from .parts import SILU
+from .graph_layer import layer as _layer, norm_of as _norm_of
+from .parts import SILU, Projections, norm as _norm
 
 log = logging.getLogger(__name__)
 INPUTS = 5  # token, rotary position, absolute position, the window's row, steps since the lengths were uploaded
@@ -125,9 +125,7 @@ class GraphStep(DecodeStep):
             # One graph per kind of layer call (a policy's statistics, the query ring, per-head capacities, a mask
             # made once or per layer) and capacity: more than dynamo's default of 8 in a chat that changes policies,
             # past which it would run the function uncompiled without a word.
-            import torch._dynamo.config as dynamo_config
-
-            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> _Plan
         self._table: torch.Tensor | None = None  # rotary cos and sin' of the first positions (``_rope_table``)
         self._lock = threading.Lock()  # sessions sharing the model in several threads: one capture or replay at a time
@@ -176,6 +174,9 @@ class GraphStep(DecodeStep):
             nq, nk, _ = lay.split
             self.shapes.append((nq, nk, self.head_dim, nk // self.head_dim, lay.inner, lay.attn.scaling))
         self.final = _norm_of(self.norm)
+        # a read of several tokens (``DecodeStep.read``) takes these norms and products, but not fp16 copies
+        self.read_weights = [tuple(r if isinstance(w, Projections) else w for w, r in zip(ws, rs))
+                             for ws, rs in zip(self.weights, self.read_weights)]
 
     # -- serving ----------------------------------------------------------------------------------------------
     def serves(self, cache) -> bool:
@@ -248,9 +249,7 @@ class GraphStep(DecodeStep):
             logits = plan.logits.clone()  # the graph's output buffer is written again by the next replay
         else:
             logits = self._first(plan, cache)
-        self.replays += 1
-        plan.steps += 1
-        plan.room -= 1
+        self.replays, plan.steps, plan.room = self.replays + 1, plan.steps + 1, plan.room - 1
         for layer in cache.layers:
             layer.advanced(1)
         plan.expected = [list(layer.lens) for layer in cache.layers]

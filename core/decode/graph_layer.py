@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .parts import NORMS
+from .parts import NORMS, norm, project as _project
 
 
 def layer(x, cos, sin, n, at, later, positions, weights, buffers, shape) -> torch.Tensor:
@@ -71,23 +71,6 @@ def norm_of(norm) -> tuple | object:
     if type(norm.module).__name__ in NORMS and norm.eps is not None:
         return norm.weight, norm.eps
     return norm.module
-
-
-def _project(weights, x: torch.Tensor) -> torch.Tensor:
-    """x times a layer's weights: (weight, bias) concatenated for one product, or the layer's ``Projections``
-    (kvchat's fp16 copies, ``--weights half`` on the CPU, as the eager step multiplies)."""
-    if isinstance(weights, tuple):
-        return F.linear(x, *weights)
-    return weights(x)
-
-
-def norm(norm, x: torch.Tensor) -> torch.Tensor:
-    """An RMS norm: (weight, eps) as PyTorch's ``rms_norm`` in any dtype (Llama's norms, ``parts.NORMS``: one kernel
-    on CUDA where the model's module runs eight; in bf16 it multiplies by the weight before rounding, where the module
-    rounds first), else the model's module."""
-    if isinstance(norm, tuple):
-        return F.rms_norm(x, (norm[0].shape[0],), *norm)
-    return norm(x)
 
 
 _OUT_DTYPE = True  # cuBLAS multiplies bf16/fp16 into fp32 sums (``out_dtype``); False once a build refuses it

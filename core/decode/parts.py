@@ -71,6 +71,23 @@ def product(x: torch.Tensor, copies: bool, pieces: tuple, widen: bool = True) ->
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
+def project(weights, x: torch.Tensor) -> torch.Tensor:
+    """x times a layer's weights: (weight, bias) concatenated for one product, or the layer's ``Projections``
+    (kvchat's fp16 copies, ``--weights half`` on the CPU, as the eager step multiplies)."""
+    if isinstance(weights, tuple):
+        return F.linear(x, *weights)
+    return weights(x)
+
+
+def norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """An RMS norm: (weight, eps) as PyTorch's ``rms_norm`` in any dtype (Llama's norms, ``parts.NORMS``: one kernel
+    on CUDA where the model's module runs eight; in bf16 it multiplies by the weight before rounding, where the module
+    rounds first), else the model's module."""
+    if isinstance(norm, tuple):
+        return F.rms_norm(x, (norm[0].shape[0],), *norm)
+    return norm(x)
+
+
 class Norm:
     """The model's RMS norm module; for fp32 input PyTorch's ``rms_norm``, which computes Llama's
     ``weight * (x * rsqrt(mean(x^2) + eps))`` bit for bit (tests/test_step.py) in one call instead of six."""

@@ -214,10 +214,10 @@ class Feeding:
             pos = abs_pos
         else:
             pos = torch.arange(self.cache.length, self.cache.length + ids.numel())
-        observer = self.observer if at is None else None
-        if ids.numel() == 1 and tap is None and self.model.step is not None:  # a decode step (core/decode)
+        observer, step = self.observer if at is None else None, self.model.step
+        if ids.numel() == 1 and tap is None and step is not None:  # a decode step (core/decode)
             with torch.no_grad():
-                return self.model.step.decode(ids, pos, abs_pos, self.cache, observer)
+                return step.decode(ids, pos, abs_pos, self.cache, observer)
         device = self.model.device
         self.cache.incoming_abs = abs_pos.to(device=device, dtype=torch.int32)
         self.cache.incoming_pos = pos.to(device=device, dtype=torch.int32)
@@ -230,6 +230,8 @@ class Feeding:
             tap.keep = tap.keep.to(device) if tap.keep is not None else None
             extra["kvchat_tap"] = tap
         with torch.no_grad():
+            if step is not None:  # the model's forward without transformers' dispatch (core/decode/eager.py)
+                return step.read(ids.to(device), pos.to(device), self.cache, 0 if all_logits else keep, **extra)
             return self.model.model(input_ids=ids[None].to(device), position_ids=pos[None].to(device),
                                     **{self.model.cache_arg: self.cache}, use_cache=True,
                                     logits_to_keep=0 if all_logits else keep, **extra).logits[0]
