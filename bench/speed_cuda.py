@@ -25,10 +25,11 @@ for ``--steps`` new tokens less the time for one), and a static cache with the f
 (``mode="reduce-overhead"``: CUDA graphs) in a loop of its own, ``torch.compiler.cudagraph_mark_step_begin()``
 before each step and the token cloned out of the graph. TTFT: messages of ``--ttft-prompts`` tokens at turns
 ``--ttft-turns`` of a chat (``streaming``, the first budget, recall as the defaults have it, its re-ranking with
-them: ``recall_ms`` is recall's part), whose replies are generated (8 tokens each); the peak GPU memory (over the
-20 turns up to each), disk and time of its turns 100, every 250th and ``--replay-turns`` (the first shape's chat;
-stored, and continued from ``--chat-store`` by a run after one stopped early: bench/speed_cuda_chat.py). The
-compiled reference runs at the first budget only (a new cache length compiles again, a minute or more).
+them: ``recall_ms`` is recall's part), whose replies are generated (8 tokens each); with the grid, messages of those
+lengths read into a full cache through the step's layers and through the model's forward (``reads``); the peak GPU
+memory (over the 20 turns up to each), disk and time of its turns 100, every 250th and ``--replay-turns`` (the first
+shape's chat; stored, and continued from ``--chat-store`` by a run after one stopped early: bench/speed_cuda_chat.py).
+The compiled reference runs at the first budget only (a new cache length compiles again, a minute or more).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ from ..policies import POLICIES
 from . import speed_cuda_baselines as baselines
 from . import speed_cuda_kernels as kernels
 from .common import Run, log
-from .speed_cuda_chat import above_base, chat_cell, random_ids, stored_chat, text, timing_compressions
+from .speed_cuda_chat import (above_base, chat_cell, random_ids, read_cell, reads_line, stored_chat, text,
+                              timing_compressions)
 
 NAME = "speed-cuda"
 TITLE = "Speed on a GPU"
@@ -269,6 +271,12 @@ def run(args, run: Run, cm=None) -> None:
                 _save(run, partial)
     for name, cm in built.items():
         cm.step = first[name]  # the chat decodes with the step --decode picks
+        if variants and args.ttft_prompts:  # what reading through the step's layers saves (docs/gpu.md)
+            try:
+                run.rows["shapes"][name]["reads"] = read_cell(cm, args.budgets[0], args.ttft_prompts, device)
+            except Exception as exc:  # noqa: BLE001 — reported; the chat still runs
+                run.rows["shapes"][name]["reads"] = {"error": _failure(exc)}
+            _save(run, partial)
     for i, (name, cm) in enumerate(built.items()):
         turns = args.replay_turns if i == 0 else 0  # the long chat once: its memory is the engine's, not the shape's
         if args.ttft_turns or turns:
@@ -337,6 +345,8 @@ def markdown(res: dict) -> str:
         notes += sorted({f"{r['step']} fell back to the step as written: {r['compile_error'][:120]}"
                          for r in entry["rows"] if r.get("compile_error")})
         lines += ["", "; ".join(notes)] if notes else []
+        reads = entry.get("reads")
+        lines += ["", f"Reads failed: {reads['error']}" if "error" in reads else reads_line(reads)] if reads else []
         chat = entry.get("chat")
         if chat:
             held = above_base(chat, "held_mb")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -46,6 +47,7 @@ WATCH = 250  # every WATCH-th turn is watched (and turn 100, and the last)
 PEAK_WINDOW = 20  # a watched turn's peak GPU memory is the highest over the ordinary turns of this many up to it
 PROFILE_TURN = 260  # this turn runs under PyTorch's profiler: where a turn past the budget spends its time
 LATE = 30  # and the LATE-th turn before the chat's last: where a turn of a long chat spends it
+READ_ROUNDS = 3  # rounds of ``read_cell``, each way once a round
 NOTES = "chat.json"  # beside the stored conversation: what was measured so far, and which conversation it is
 
 
@@ -231,3 +233,42 @@ def above_base(chat: dict, key: str = "peak_mb") -> dict[int, float]:
     runs = chat.get("runs") or [{"from_turn": 0, "base_mb": chat.get("base_mb", 0.0)}]
     return {int(turn): mb - next(r["base_mb"] for r in reversed(runs) if r["from_turn"] < int(turn))
             for turn, mb in chat.get(key, {}).items()}
+
+
+def read_cell(cm, budget: int, prompts: list[int], device: str, rounds: int = READ_ROUNDS) -> dict:
+    """Reads of several tokens through the step's layers (``DecodeStep.read``) against the model's forward: a message
+    of each of ``prompts``' lengths read into a fresh session whose cache is full (``streaming`` at ``budget``, recall
+    off: the message alone), its chunks with a compression before each, both ways in turn ``rounds`` times after a
+    round that warms them up. {length: {way: median TTFT ms, and of it compressions' ms}} (docs/gpu.md)."""
+    step, out = cm.step, {}
+    if step is None:
+        return out
+    for n in prompts:
+        took: dict[str, list] = {"step": [], "model": []}
+        for r in range(rounds + 1):
+            for way in took:
+                step.reads = way == "step"
+                session = Session(cm, Settings(policy="streaming", budget=budget, recall="off"), system=None,
+                                  sampling=Sampling(temperature=0.0))
+                try:
+                    session.feed_raw(random_ids(cm, budget, 3), score=False)
+                    squeezes: list = []
+                    with timing_compressions(device, squeezes):
+                        res = session.chat(text(cm, n, 4 + r), max_new_tokens=1)
+                finally:
+                    step.reads = True
+                    session.close()
+                if r:
+                    took[way].append((res.prefill_ms, 1000 * sum(s for _, s in squeezes)))
+        out[n] = {way: {"ttft_ms": statistics.median(t for t, _ in v), "prompt_tokens": res.prompt_tokens,
+                        "compress_ms": statistics.median(c for _, c in v)} for way, v in took.items()}
+    return out
+
+
+def reads_line(reads: dict) -> str:
+    """The report's line for ``read_cell``'s measurements."""
+    return ("Reads of several tokens, a message into a full cache (TTFT, the median of "
+            f"{READ_ROUNDS}), through the step's layers against the model's forward: "
+            + "; ".join(f"{w['step']['prompt_tokens']} tokens {w['step']['ttft_ms']:.1f} against "
+                        f"{w['model']['ttft_ms']:.1f} ms (compressions {w['step']['compress_ms']:.1f} and "
+                        f"{w['model']['compress_ms']:.1f})" for w in reads.values()) + ".")

@@ -330,8 +330,11 @@ def test_gpu_speed_bench_runs_its_whole_grid_on_a_tiny_model(default_dir, tmp_pa
     # what of a TTFT is compressions: the 40-token message at turn 4 makes room in a full cache
     assert ttft[1]["compressions"] >= 1 and 0 < ttft[1]["compress_ms"] < ttft[1]["ttft_ms"]
     assert "error" not in run.rows["shapes"]["tiny"]["chat"]
+    reads = run.rows["shapes"]["tiny"]["reads"]  # each message read through the step's layers and the model's forward
+    assert list(reads) == [10, 40] and all(w[way]["ttft_ms"] > 0 for w in reads.values() for way in ("step", "model"))
     assert all(c["ok"] for c in run.checks)
     report = speed_cuda.markdown(run.result())
+    assert "through the step's layers against the model's forward: 19 tokens " in report
     assert "| 64 | streaming |" in report and "| 64 | streaming · compiled |" in report
     assert "On disk (database, rows, state, digests), and a turn's mean time before it: turn 6: " in report
     assert "| 64 | streaming · graph-sync |" in report and "| 64 | streaming · triton |" in report

@@ -72,8 +72,9 @@ def product(x: torch.Tensor, copies: bool, pieces: tuple, widen: bool = True) ->
 
 
 def project(weights, x: torch.Tensor) -> torch.Tensor:
-    """x times a layer's weights: (weight, bias) concatenated for one product, or the layer's ``Projections``
-    (kvchat's fp16 copies, ``--weights half`` on the CPU, as the eager step multiplies)."""
+    """x times a layer's weights: (weight, bias) concatenated for one product, or a function of x (the layer's
+    ``Projections``: kvchat's fp16 copies, ``--weights half`` on the CPU, as the eager step multiplies; the model's
+    own linear layers for ``DecodeStep.read``)."""
     if isinstance(weights, tuple):
         return F.linear(x, *weights)
     return weights(x)
@@ -82,7 +83,7 @@ def project(weights, x: torch.Tensor) -> torch.Tensor:
 def norm(norm, x: torch.Tensor) -> torch.Tensor:
     """An RMS norm: (weight, eps) as PyTorch's ``rms_norm`` in any dtype (Llama's norms, ``parts.NORMS``: one kernel
     on CUDA where the model's module runs eight; in bf16 it multiplies by the weight before rounding, where the module
-    rounds first), else the model's module."""
+    rounds first), else the norm as given (the model's module, or ``Norm`` of it)."""
     if isinstance(norm, tuple):
         return F.rms_norm(x, (norm[0].shape[0],), *norm)
     return norm(x)

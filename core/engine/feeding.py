@@ -230,7 +230,7 @@ class Feeding:
             tap.keep = tap.keep.to(device) if tap.keep is not None else None
             extra["kvchat_tap"] = tap
         with torch.no_grad():
-            if step is not None:  # the model's forward without transformers' dispatch (core/decode/eager.py)
+            if step is not None and step.reads:  # the model's forward without its dispatch (core/decode/eager.py)
                 return step.read(ids.to(device), pos.to(device), self.cache, 0 if all_logits else keep, **extra)
             return self.model.model(input_ids=ids[None].to(device), position_ids=pos[None].to(device),
                                     **{self.model.cache_arg: self.cache}, use_cache=True,
