@@ -10,6 +10,7 @@ from kvchat.core.decode import weights
 from kvchat.core.engine.session import Sampling, Session
 from kvchat.core.engine.settings import Settings
 from kvchat.core.model.loading import ChatModel
+from kvchat.core.recall import rerank
 from kvchat.core.recall.score import QueryTap
 
 from test_graph import _assert_same_cache, cuda
@@ -116,6 +117,28 @@ def test_a_read_gives_the_models_logits_of_every_row_or_the_last_and_recalls_que
         assert tail_a[1].numel() == 7 and all(torch.equal(x, y) for x, y in zip(tail_a, tail_b))
     assert q_a.keys() == q_b.keys() and q_a and all(torch.equal(q_a[li], q_b[li]) for li in q_a)
     _assert_same_cache(sessions[0], sessions[1], atol=0.0)
+
+
+@pytest.mark.parametrize("decode, held", [("auto", "model"), ("auto", "half"), ("graph", "model")])
+def test_recalls_re_ranking_reads_its_candidates_through_the_step_bit_for_bit(decode, held, tokenizer):
+    """Re-ranking reads the message after each candidate in padded rows with no cache (``DecodeStep.hidden``): the
+    gains the model's forward gives, and the step's layers are what read them."""
+    model = build_tiny("qwen2", tokenizer)
+    weights.apply(model, held)
+    cm = ChatModel.from_pretrained_model(model, tokenizer, name="tiny-qwen2", decode=decode)
+    words = lambda t: torch.tensor(tokenizer(t, add_special_tokens=False)["input_ids"])  # noqa: E731
+    question = words("Where did I put the spare key for the shed?")
+    candidates = [words(t) for t in ("The key is under the pot.", "Hi.", "Rome was not built in a day, they say.")]
+    rows, hook = [], cm.model.model.register_forward_hook(lambda *args: rows.append(1))
+    try:
+        through_step = rerank.gains(cm, question, candidates)
+        assert not rows  # the model's forward did not run
+        cm.step.reads = False
+        through_model = rerank.gains(cm, question, candidates)
+        assert rows
+    finally:
+        hook.remove()
+    assert torch.equal(through_step, through_model)
 
 
 @cuda

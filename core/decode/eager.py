@@ -191,24 +191,30 @@ class DecodeStep:
         graph step one product for q/k/v and one for gate/up, and its one-kernel norms (core/decode/graph.py). On a
         GPU, where a read's cost is the operations it dispatches, that is 32-42% fewer than the model's forward
         (counted: docs/gpu.md)."""
-        x = self.embed(ids[None])
-        cos, sin = self._rope(x, pos[None])
-        cos, sin = cos[:, None], sin[:, None]  # [1, 1, n, head_dim]
-        n, d = ids.numel(), self.head_dim
+        x = self.hidden(ids[None], pos[None], cache, **extra)
+        return self.head(x[:, -keep:] if keep else x)[0]
+
+    def hidden(self, ids: torch.Tensor, pos: torch.Tensor, cache=None, **extra) -> torch.Tensor:
+        """``read``'s layers and final norm over rows of tokens (``ids`` [b, n], positions ``pos`` [1 or b, n]): the
+        last hidden states [b, n, hidden]; without a cache each row attends causally to itself alone, as the model's
+        forward with no cache (recall's re-ranking reads its candidates so: core/recall/rerank.py)."""
+        x = self.embed(ids)
+        cos, sin = self._rope(x, pos)
+        cos, sin = cos[:, None], sin[:, None]  # [1 or b, 1, n, head_dim]
+        (b, n), d = ids.shape, self.head_dim
         for i, (lay, (norm1, qkv, o, norm2, gate_up, down)) in enumerate(zip(self.layers, self.read_weights)):
             nq, nk, _ = lay.split
             qkv = _project(qkv, _norm(norm1, x))
-            qk = qkv[..., : nq + nk].view(1, n, -1, d).transpose(1, 2)  # [1, query + key heads, n, d]
+            qk = qkv[..., : nq + nk].view(b, n, -1, d).transpose(1, 2)  # [b, query + key heads, n, d]
             qk = qk * cos + qk.roll(d // 2, -1) * sin  # the model's x * cos + rotate_half(x) * sin, bit for bit
-            v = qkv[..., nq + nk:].view(1, n, -1, d).transpose(1, 2)
-            keys, values = cache.update(qk[:, nq // d:], v, i)
+            k, v = qk[:, nq // d:], qkv[..., nq + nk:].view(b, n, -1, d).transpose(1, 2)
+            keys, values = cache.update(k, v, i) if cache is not None else (k, v)
             out, _ = kvchat_attention(lay.attn, qk[:, : nq // d], keys, values, None, scaling=lay.attn.scaling,
                                       **extra)
-            x = x + _project(o, out.reshape(1, n, -1))
+            x = x + _project(o, out.reshape(b, n, -1))
             gu = _project(gate_up, _norm(norm2, x))
             x = x + _project(down, lay.act(gu[..., : lay.inner]) * gu[..., lay.inner:])
-        x = self.norm(x)
-        return self.head(x[:, -keep:] if keep else x)[0]
+        return self.norm(x)
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, cache, observer=None) -> torch.Tensor:
         """Logits [1, vocab] for one token id (``token``, shape [1]) at ``position`` ([1]) on top of ``cache``."""

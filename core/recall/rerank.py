@@ -43,8 +43,7 @@ def gains(cm, question: torch.Tensor, candidates: list[torch.Tensor]) -> torch.T
     head, tail = cm.chat.user_wrap()
     q = question.tolist()[-QUESTION_TOKENS:]
     prefixes = [head] + [head + c.tolist()[:CANDIDATE_TOKENS] + tail + head for c in candidates]
-    model = cm.model
-    base, out_head = model.base_model, model.get_output_embeddings()
+    out_head = cm.model.get_output_embeddings()
     device = cm.device
     totals = []
     for i in range(0, len(prefixes), BATCH):
@@ -55,13 +54,23 @@ def gains(cm, question: torch.Tensor, candidates: list[torch.Tensor]) -> torch.T
         ids = torch.full((len(rows), width), q[0], dtype=torch.long)
         for r, row in enumerate(rows):
             ids[r, :len(row)] = torch.tensor(row)
-        hidden = base(input_ids=ids.to(device), use_cache=False).last_hidden_state
+        hidden = _hidden(cm, ids.to(device))
         at = torch.stack([torch.arange(len(p) - 1, len(p) - 1 + len(q)) for p in chunk]).to(device)
         picked = hidden.gather(1, at[..., None].expand(-1, -1, hidden.shape[-1])).flatten(0, 1)
         target = torch.tensor(q, device=device).repeat(len(chunk))
         totals.append(_logprobs(out_head, picked, target).view(len(chunk), -1).sum(-1).cpu())
     total = torch.cat(totals)
     return (total[1:] - total[0]) / len(q)
+
+
+def _hidden(cm, ids: torch.Tensor) -> torch.Tensor:
+    """The last hidden states [rows, width, hidden] of right-padded rows read with no cache: through the decode
+    step's layers where one serves the model (core/decode/eager.py ``hidden``, the model's forward bit for bit),
+    else the model's forward."""
+    step = cm.step
+    if step is not None and step.reads:
+        return step.hidden(ids, torch.arange(ids.shape[1], device=ids.device)[None])
+    return cm.model.base_model(input_ids=ids, use_cache=False).last_hidden_state
 
 
 def _logprobs(out_head, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
