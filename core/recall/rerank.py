@@ -11,9 +11,10 @@ message's log-likelihood gain per token over reading it with no sentence before 
 does not make the message likelier at all is not brought back. This is the zero-shot re-ranking of Sachan et al.,
 "Improving Passage Retrieval with Zero-Shot Question Generation" (EMNLP 2022), with the chat as the passages.
 
-It costs a forward over about ``recall_rerank`` x 30 tokens per user message: on a GPU one batch the size of a short
-prefill (not measured there yet), on this project's 2-core CPU 5-6 ms a token, 2.5-3.3 s a message at 16
-(docs/recall.md), so it is on by default on a GPU only.
+It costs a forward over about ``recall_rerank`` x 30 tokens per user message (through the decode step's layers where
+one serves the model: ``_hidden``): on a GPU one batch the size of a short prefill (an H100's turn 260 of the GPU
+bench's chat spent 44.8 ms in recall's scoring, this forward included; docs/gpu.md), on this project's 2-core CPU
+5-6 ms a token, 2.5-3.3 s a message at 16 (docs/recall.md), so it is on by default on a GPU only.
 """
 
 from __future__ import annotations
