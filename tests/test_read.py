@@ -143,9 +143,21 @@ def test_recalls_re_ranking_reads_its_candidates_through_the_step_bit_for_bit(de
 
 @cuda
 @pytest.mark.cuda
-@pytest.mark.parametrize("policy", ["h2o", "snapkv"])
+@pytest.mark.parametrize("policy", ["streaming", "full"])
 def test_the_graph_steps_read_on_the_gpu_is_the_models_within_bf16(policy, tokenizer):
-    """On a GPU (bf16, SDPA's lower-right causal bias, the fused ``rms_norm``): the same replies, a cache within bf16's
-    rounding of the model's forward."""
-    _assert_same_chats(_chats(tokenizer, decode="graph", policy=policy, dtype=torch.bfloat16, device="cuda"),
-                       atol=BF16)
+    """On a GPU (bf16, SDPA's lower-right causal bias, the fused ``rms_norm``): 200 tokens read in chunks with
+    compressions between them (``streaming``: which slots stay does not hang on a rounding) or into the full cache, a
+    cache and last logits within bf16's rounding of the model's forward."""
+    sessions = []
+    for through_model in (False, True):
+        model = build_tiny("llama", tokenizer).to(device="cuda", dtype=torch.bfloat16)
+        cm = ChatModel.from_pretrained_model(model, tokenizer, name="tiny-llama", decode="graph")
+        cm.step.reads = not through_model
+        session = Session(cm, Settings(policy=policy, budget=48, window=8, slack=8) if policy != "full" else
+                          Settings(policy="full"), system=None, sampling=Sampling(temperature=0.0))
+        session.feed_raw(torch.randint(10, 1000, (200,), generator=torch.Generator().manual_seed(5)).tolist(),
+                         score=False)
+        sessions.append(session)
+    a, b = sessions
+    torch.testing.assert_close(a.last_logits.float(), b.last_logits.float(), atol=BF16, rtol=BF16)
+    _assert_same_cache(a, b, atol=BF16)
