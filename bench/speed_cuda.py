@@ -25,8 +25,8 @@ for ``--steps`` new tokens less the time for one), and a static cache with the f
 (``mode="reduce-overhead"``: CUDA graphs) in a loop of its own, ``torch.compiler.cudagraph_mark_step_begin()``
 before each step and the token cloned out of the graph. TTFT: messages of ``--ttft-prompts`` tokens at turns
 ``--ttft-turns`` of a chat (``streaming``, the first budget, recall as the defaults have it, its re-ranking with
-them: ``recall_ms`` is recall's part), whose replies are generated (8 tokens each); with the grid, messages of those
-lengths read into a full cache through the step's layers and through the model's forward (``reads``); the peak GPU
+them: ``recall_ms`` is recall's part), whose replies are generated (8 tokens each), and before the chat messages of
+those lengths read into a full cache through the step's layers and through the model's forward (``reads``); the peak GPU
 memory (over the 20 turns up to each), disk and time of its turns 100, every 250th and ``--replay-turns`` (the first
 shape's chat; stored, and continued from ``--chat-store`` by a run after one stopped early: bench/speed_cuda_chat.py).
 The compiled reference runs at the first budget only (a new cache length compiles again, a minute or more).
@@ -271,7 +271,7 @@ def run(args, run: Run, cm=None) -> None:
                 _save(run, partial)
     for name, cm in built.items():
         cm.step = first[name]  # the chat decodes with the step --decode picks
-        if variants and args.ttft_prompts:  # what reading through the step's layers saves (docs/gpu.md)
+        if args.ttft_turns and args.ttft_prompts:  # what reading through the step's layers saves (docs/gpu.md)
             try:
                 run.rows["shapes"][name]["reads"] = read_cell(cm, args.budgets[0], args.ttft_prompts, device)
             except Exception as exc:  # noqa: BLE001 — reported; the chat still runs
