@@ -71,20 +71,21 @@ def test_probe_measures_what_the_cache_still_holds(smol):
 def test_endless_chat_stays_bounded_and_positions_stay_small(smol):
     settings = Settings(policy="streaming", budget=96, window=24, slack=12, groups="sentence")
     session = Session(smol, settings, sampling=Sampling(max_new_tokens=12, temperature=0.0))
-    positions = []
-    forward = session.model.model.forward
+    positions = []  # the largest position each read or step computed its keys at (what the model saw)
+    forward = session.forward
 
     def spy(*args, **kwargs):
-        positions.append(int(kwargs["position_ids"].max()))
-        return forward(*args, **kwargs)
+        out = forward(*args, **kwargs)
+        positions.append(int(session.cache.incoming_pos.max()))
+        return out
 
-    session.model.model.forward = spy
+    session.forward = spy
     try:
         turns = [json.loads(line)["turns"][0] for line in data_file("streaming-llm", "mt_bench.jsonl")
                  .read_text().splitlines()[:12]]
         results = [session.chat(q) for q in turns]
     finally:
-        del session.model.model.forward
+        del session.forward
     assert session.total_tokens > 4 * settings.capacity
     assert max(r.peak_cache_tokens for r in results) <= settings.capacity
     assert max(positions) < settings.capacity
