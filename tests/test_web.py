@@ -511,6 +511,10 @@ def test_new_and_open_stop_the_streaming_reply_first(browser, server):
         page.click("#kv-open")
         page.wait_for_function(f"c => {STATUS_JS}.includes('opened conversation #' + c)", arg=first, timeout=30000)
         assert _last_stop(server.db, "the wind and the stars")[1] == "cancelled"
+        # The status can say "opened" a moment before the chat has rendered the opened conversation.
+        page.wait_for_function("() => { const c = document.querySelector('#kv-chat');"
+                               " return c.innerText.includes('lighthouse') && !c.innerText.includes('Loading'); }",
+                               timeout=30000)
         assert "lighthouse" in page.inner_text("#kv-chat") and len(_bot_messages(page)) == 1
     finally:
         context.close()
