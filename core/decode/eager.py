@@ -44,6 +44,7 @@ operators took the reply loop from about 22 to 12.4-14.1 ms per token (alternati
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
@@ -91,6 +92,11 @@ class DecodeStep:
         # product, as the model's forward computes them.
         self.read_weights = [(lay.norm1, _as_modules(lay.qkv), _as_modules(lay.o), lay.norm2, _as_modules(lay.gate_up),
                               _as_modules(lay.down)) for lay in self.layers]
+        # What one token multiplies each layer by without kvchat's operators: q/k/v and gate/up as one product each
+        # (the fp16 copies concatenated, with ``--weights half``); o and down leave an fp16 product as it is, for the
+        # sum that widens it (``parts.product``'s ``widen``).
+        self.step_weights = [(lay.norm1, lay.qkv, partial(lay.o, widen=False), lay.norm2, lay.gate_up,
+                              partial(lay.down, widen=False)) for lay in self.layers]
 
     def _operators(self, model: nn.Module) -> str | None:
         """Whether every layer can run on kvchat's operators (core/ops/kernels.py: ``layer`` for a whole layer, or
@@ -201,32 +207,43 @@ class DecodeStep:
         x = self.embed(ids)
         cos, sin = self._rope(x, pos)
         cos, sin = cos[:, None], sin[:, None]  # [1 or b, 1, n, head_dim]
-        (b, n), d = ids.shape, self.head_dim
-        for i, (lay, (norm1, qkv, o, norm2, gate_up, down)) in enumerate(zip(self.layers, self.read_weights)):
-            nq, nk, _ = lay.split
-            qkv = _project(qkv, _norm(norm1, x))
-            qk = qkv[..., : nq + nk].view(b, n, -1, d).transpose(1, 2)  # [b, query + key heads, n, d]
-            qk = qk * cos + qk.roll(d // 2, -1) * sin  # the model's x * cos + rotate_half(x) * sin, bit for bit
-            k, v = qk[:, nq // d:], qkv[..., nq + nk:].view(b, n, -1, d).transpose(1, 2)
-            keys, values = cache.update(k, v, i) if cache is not None else (k, v)
-            out, _ = kvchat_attention(lay.attn, qk[:, : nq // d], keys, values, None, scaling=lay.attn.scaling,
-                                      **extra)
-            x = x + _project(o, out.reshape(b, n, -1))
-            gu = _project(gate_up, _norm(norm2, x))
-            x = x + _project(down, lay.act(gu[..., : lay.inner]) * gu[..., lay.inner:])
+        for i, weights in enumerate(self.read_weights):
+            x = self._forward_layer(i, weights, x, cos, sin, cache, extra)
         return self.norm(x)
+
+    def _forward_layer(self, i: int, weights: tuple, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache,
+                       extra: dict) -> torch.Tensor:
+        """Layer ``i`` over ``x`` [b, n, hidden] as the model computes it, multiplying by ``weights`` (norm1, qkv, o,
+        norm2, gate_up, down: ``read_weights``' or, for one token without kvchat's operators, ``step_weights``'),
+        writing the cache layer's ``update`` (no cache: each row attends to itself alone) and attending with kvchat's
+        attention function and ``extra`` (the policy's observer, recall's query tap)."""
+        lay, (norm1, qkv, o, norm2, gate_up, down) = self.layers[i], weights
+        (b, n), d, (nq, nk, _) = x.shape[:2], self.head_dim, lay.split
+        qkv = _project(qkv, _norm(norm1, x))
+        qk = qkv[..., : nq + nk].view(b, n, -1, d).transpose(1, 2)  # [b, query + key heads, n, d]
+        qk = qk * cos + qk.roll(d // 2, -1) * sin  # the model's x * cos + rotate_half(x) * sin, bit for bit
+        k, v = qk[:, nq // d:], qkv[..., nq + nk:].view(b, n, -1, d).transpose(1, 2)
+        keys, values = cache.layers[i].update(k, v) if cache is not None else (k, v)
+        out, _ = kvchat_attention(lay.attn, qk[:, : nq // d], keys, values, None, scaling=lay.attn.scaling, **extra)
+        x = x + _project(o, out.reshape(b, n, -1))
+        gu = _project(gate_up, _norm(norm2, x))
+        return x + _project(down, lay.act(gu[..., : lay.inner]) * gu[..., lay.inner:])
 
     def __call__(self, token: torch.Tensor, position: torch.Tensor, cache, observer=None) -> torch.Tensor:
         """Logits [1, vocab] for one token id (``token``, shape [1]) at ``position`` ([1]) on top of ``cache``."""
         x, cos, sin = self._embed(token, position)
-        d, half = self.head_dim, self.head_dim // 2
+        d = self.head_dim
         extra = {"kvchat_observer": observer} if observer is not None else {}
         ops = self.without_ops is None and self.layers[0].qkv.linears[0].use_step  # not ``weights.as_loaded``
+        if not ops:
+            for i, weights in enumerate(self.step_weights):
+                x = self._forward_layer(i, weights, x, cos, sin, cache, extra)
+            return self.head(self.norm(x))[0]
         lens, held = None, None  # kvchat::block's lengths (each head's last slot) and (heads, slots) they are for
         for i, lay in enumerate(self.layers):
             nq, nk, _ = lay.split
             layer = cache.layers[i]
-            n = layer.free_slot() if ops else None
+            n = layer.free_slot()
             if n is not None:  # the whole layer, its cache write (and H2O's sums) included, in one operator call
                 layer.claim(1)  # slot n: its position, zeroed statistics
                 sums = observer.step_sums(layer) if observer is not None else None
@@ -239,18 +256,13 @@ class DecodeStep:
                 if observer is not None:
                     observer(lay.attn, q, layer.held_keys(), lay.attn.scaling, probs=[probs], summed=sums is not None)
                 continue
-            if ops:  # the norm, q/k/v and the rotary embedding of q and k in one operator call
-                qkv = torch.ops.kvchat.project(x, lay.norm1.weight, lay.norm1.eps, lay.qkv.weight, lay.qkv.bias, cos,
-                                               sin, nq + nk)
-                q, k = qkv[..., :nq].view(1, -1, 1, d), qkv[..., nq: nq + nk].view(1, -1, 1, d)
-            else:
-                qkv = lay.qkv(lay.norm1(x))
-                qk = qkv[..., : nq + nk].view(1, -1, 1, d)  # [1, query + key heads, 1, d]
-                qk = qk * cos + qk.roll(half, -1) * sin
-                q, k = qk[:, : nq // d], qk[:, nq // d:]
+            # the norm, q/k/v and the rotary embedding of q and k in one operator call
+            qkv = torch.ops.kvchat.project(x, lay.norm1.weight, lay.norm1.eps, lay.qkv.weight, lay.qkv.bias, cos, sin,
+                                           nq + nk)
+            q, k = qkv[..., :nq].view(1, -1, 1, d), qkv[..., nq: nq + nk].view(1, -1, 1, d)
             v = qkv[..., nq + nk:].view(1, -1, 1, d)
             keys, values = layer.update(k, v)
-            if ops and not isinstance(keys, RaggedKV):  # the rest of the layer as one operator call
+            if not isinstance(keys, RaggedKV):  # the rest of the layer as one operator call
                 heads, n = keys.shape[1], keys.shape[2]
                 if held != (heads, n):  # layers of one length share them
                     lens, held = torch.full((heads,), n - 1, dtype=torch.long), (heads, n)
@@ -260,20 +272,13 @@ class DecodeStep:
                 if observer is not None:
                     observer(lay.attn, q, keys, lay.attn.scaling, probs=[probs])
                 continue
+            # heads of different lengths (RaggedKV): attention as without the operators, the rest on them
             out, _ = kvchat_attention(lay.attn, q, keys, values, None, scaling=lay.attn.scaling, **extra)
-            if ops:  # heads of different lengths (RaggedKV): attention as without the operators, the rest on them
-                x = x + torch.ops.kvchat.matvec(out.reshape(1, 1, -1), lay.o.weight)
-                gu = torch.ops.kvchat.project(x, lay.norm2.weight, lay.norm2.eps, lay.gate_up.weight, None, cos, sin,
-                                              0)
-                x = x + torch.ops.kvchat.matvec(lay.act(gu[..., : lay.inner]) * gu[..., lay.inner:], lay.down.weight)
-                continue
-            x = x + lay.o(out.reshape(1, 1, -1), widen=False)
-            gu = lay.gate_up(lay.norm2(x))
-            x = x + lay.down(lay.act(gu[..., : lay.inner]) * gu[..., lay.inner:], widen=False)
-        if ops:
-            return torch.ops.kvchat.project(x, self.norm.weight, self.norm.eps, self.head.step, self.head.bias, cos,
-                                            sin, 0)[0]
-        return self.head(self.norm(x))[0]
+            x = x + torch.ops.kvchat.matvec(out.reshape(1, 1, -1), lay.o.weight)
+            gu = torch.ops.kvchat.project(x, lay.norm2.weight, lay.norm2.eps, lay.gate_up.weight, None, cos, sin, 0)
+            x = x + torch.ops.kvchat.matvec(lay.act(gu[..., : lay.inner]) * gu[..., lay.inner:], lay.down.weight)
+        return torch.ops.kvchat.project(x, self.norm.weight, self.norm.eps, self.head.step, self.head.bias, cos, sin,
+                                        0)[0]
 
 
 def _as_modules(proj) -> Callable[[torch.Tensor], torch.Tensor]:
