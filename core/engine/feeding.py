@@ -229,9 +229,10 @@ class Feeding:
             tap.positions = pos.to(device)
             tap.keep = tap.keep.to(device) if tap.keep is not None else None
             extra["kvchat_tap"] = tap
+        reader = self.model.reader  # the model's forward without its dispatch (core/decode/eager.py), or None
         with torch.no_grad():
-            if step is not None and step.reads:  # the model's forward without its dispatch (core/decode/eager.py)
-                return step.read(ids.to(device), pos.to(device), self.cache, 0 if all_logits else keep, **extra)
+            if reader is not None:
+                return reader.read(ids.to(device), pos.to(device), self.cache, 0 if all_logits else keep, **extra)
             return self.model.model(input_ids=ids[None].to(device), position_ids=pos[None].to(device),
                                     **{self.model.cache_arg: self.cache}, use_cache=True,
                                     logits_to_keep=0 if all_logits else keep, **extra).logits[0]

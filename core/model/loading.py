@@ -195,6 +195,13 @@ class ChatModel:
         return self.scaffolding
 
     @property
+    def reader(self) -> DecodeStep | None:
+        """The step reads of several tokens go through (its layers without the modules' dispatch: ``DecodeStep.read``
+        and ``hidden``), or None: through the model's forward (no step, or ``DecodeStep.reads`` off for a bench)."""
+        step = self.step
+        return step if step is not None and step.reads else None
+
+    @property
     def num_layers(self) -> int:
         return self.model.config.num_hidden_layers
 

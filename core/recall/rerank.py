@@ -68,9 +68,8 @@ def _hidden(cm, ids: torch.Tensor) -> torch.Tensor:
     """The last hidden states [rows, width, hidden] of right-padded rows read with no cache: through the decode
     step's layers where one serves the model (core/decode/eager.py ``hidden``, the model's forward bit for bit),
     else the model's forward."""
-    step = cm.step
-    if step is not None and step.reads:
-        return step.hidden(ids, torch.arange(ids.shape[1], device=ids.device)[None])
+    if cm.reader is not None:
+        return cm.reader.hidden(ids, torch.arange(ids.shape[1], device=ids.device)[None])
     return cm.model.base_model(input_ids=ids, use_cache=False).last_hidden_state
 
 
