@@ -3,8 +3,9 @@ in segment files of ``segment`` records each (``digests/000000.bin``, ...), capp
 
 Records are appended when a turn closes. The store keeps the groups ``[first, end)``: when the files pass the cap,
 the oldest whole segments are forgotten (``forget``): they leave the live window at once and their files are deleted
-by ``drop_forgotten`` once the turn that forgot them has committed, so a crash before that reopens the window the
-last committed turn names (it is saved with the turn's state, storage/statefile.py) with every file it needs. What a
+by ``drop_forgotten`` once the turn that forgot them has committed (and can no longer be undone), so a crash before
+that reopens the window the last committed turn names (it is saved with the turn's state, storage/statefile.py)
+with every file it needs, and an undo finds the window before the turn whole. What a
 record holds is the engine's (``fields``: name, numpy dtype, shape), written once in ``digests/layout.json``.
 """
 
@@ -127,10 +128,12 @@ class DigestStore:
     def _live_bytes(self) -> int:
         return (self.count + self.first % self.segment) * self.record_bytes
 
-    def drop_forgotten(self) -> None:
-        """Delete the segment files wholly before the live window (once the state that forgot them committed)."""
+    def drop_forgotten(self, keep: int | None = None) -> None:
+        """Delete the segment files wholly before the live window (once the state that forgot them committed), or
+        wholly before group ``keep`` where an earlier window still names them (an undo copy's: ``rewind`` to it)."""
+        first = self.first if keep is None else min(self.first, keep)
         for p in self.folder.glob("*.bin"):
-            if int(p.stem) < self.first // self.segment:
+            if int(p.stem) < first // self.segment:
                 p.unlink(missing_ok=True)
                 self._maps.pop(int(p.stem), None)
 

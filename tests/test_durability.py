@@ -212,10 +212,13 @@ def test_recall_archive_is_capped_forgetting_the_oldest_first(tiny, tmp_path, sa
     and a saved conversation still reopens exactly."""
     model = tiny("llama")
     settings = Settings(policy="streaming", budget=48, window=8, slack=6, recall="on", archive_mb=1.0)
-    live = Session(model, settings, store=Store(tmp_path / "kv.db") if saved else None, sampling=GREEDY)
-    cap = int(settings.archive_mb * 2**20)
+    live = Session(model, settings, store=Store(tmp_path / "kv.db") if saved else None, sampling=GREEDY,
+                   system=None)
+    assert live.digests.cap_mb == settings.archive_mb
+    live.digests.cap_mb = 0.03  # before the first record: a cap a few tiny-model turns pass (1 MB takes hundreds)
+    cap = int(live.digests.cap_mb * 2**20)
     forgotten = None
-    for i, (user, reply) in enumerate(_chat_turns(400)):
+    for i, (user, reply) in enumerate(_chat_turns(100)):
         live.exchange(user, reply)
         store = live.digests.store
         assert live.archive_bytes <= cap + store.segment * store.record_bytes
@@ -235,6 +238,34 @@ def test_recall_archive_is_capped_forgetting_the_oldest_first(tiny, tmp_path, sa
     assert reopened.digests.window() == live.digests.window()
     assert torch.equal(reopened.digests.read()[0], live.digests.read()[0])
     assert_same_cache(reopened, live)
+
+
+def test_undo_of_a_turn_that_forgot_archived_groups_brings_them_back(tiny, tmp_path):
+    """A turn that passed the archive's cap and forgot its oldest sentence groups can be undone: the window before it
+    comes back with its records (their files stay on disk while the turn can be undone), the conversation reopens
+    there exactly, and what a later turn forgot goes from disk once no undo copy names it."""
+    model = tiny("llama")
+    live = Session(model, Settings(policy="streaming", budget=48, window=8, slack=6, recall="on"),
+                   store=Store(tmp_path / "kv.db"), sampling=GREEDY, undo=True, system=None)
+    live.digests.cap_mb = 0.03  # before the first record: a cap a few tiny-model turns pass (1 MB takes hundreds)
+    store = live.digests.store
+    turns = iter(_chat_turns(60))
+    while True:
+        before, spans = live.digests.window(), live.digests.read()[0]
+        live.exchange(*next(turns))
+        if store.first > before[0] >= store.segment:  # forgotten again: an earlier turn's forgotten files are gone
+            break
+    assert min(int(p.stem) for p in store.folder.glob("*.bin")) * store.segment == before[0]
+    live.undo()
+    assert live.digests.window() == before
+    assert torch.equal(live.digests.read()[0], spans)
+    reopened = Session.resume(model, Store(tmp_path / "kv.db"), live.conversation_id, sampling=GREEDY)
+    assert reopened.digests.window() == before and torch.equal(reopened.digests.read()[0], spans)
+    assert_same_cache(reopened, live)
+    first = store.first
+    while store.first < first + 2 * store.segment:
+        live.exchange(*next(turns))
+    assert min(int(p.stem) for p in store.folder.glob("*.bin")) * store.segment == live.undo_copy.digests[0] > first
 
 
 def test_a_kept_key_is_its_computed_key_rotated_once_to_its_slot(tiny, tmp_path):

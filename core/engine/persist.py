@@ -128,8 +128,7 @@ def commit(session, record: dict) -> None:
     store = session.store
     if store is None:  # an unsaved chat: nothing reopens it, so what its digests forgot goes now
         session.pending.clear()
-        if session.digests is not None:
-            session.digests.drop_forgotten()
+        drop_forgotten(session)
         return
     if session.conversation_id is None and all(m["role"] == "system" for r in session.pending
                                                for m in r["messages"]):
@@ -200,18 +199,25 @@ def write_rows(session) -> None:
 
 def committed(session) -> None:
     """After the commit point: the rows the committed state names are the ones to keep; older state files,
-    forgotten digest segments and the rows file's free tail go."""
+    forgotten digest segments (but the undo copy's) and the rows file's free tail go."""
     files = session.files
     files.named = session.cache.rows_named().numpy()
     files.named = files.named[files.named >= 0]
     statefile.remove_others(files.folder, keep=session.turn)
     keep = [files.named] + ([session.undo_copy.rows_named()] if session.undo_copy is not None else [])
     files.rows.shrink(np.concatenate(keep))
-    if session.digests is not None:
-        session.digests.drop_forgotten()
+    drop_forgotten(session)
     if files.legacy is not None:
         files.legacy.delete()
         files.legacy = None
+
+
+def drop_forgotten(session) -> None:
+    """Delete the digest segments recall's archive forgot, but those the undo copy's window names (an undo brings
+    them back; they go at the next commit after it, or when the conversation reopens)."""
+    if session.digests is not None:
+        undo = session.undo_copy
+        session.digests.drop_forgotten(undo.digests if undo is not None else None)
 
 
 def undo(session, created_conversation: bool) -> None:

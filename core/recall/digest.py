@@ -272,8 +272,9 @@ class Digests:
     def sync(self) -> None:
         self.store.sync()
 
-    def drop_forgotten(self) -> None:
-        self.store.drop_forgotten()
+    def drop_forgotten(self, keep: tuple[int, int, int] | None = None) -> None:
+        """Delete what the live window forgot, but what window ``keep`` (an undo copy's) still names."""
+        self.store.drop_forgotten(keep[0] if keep is not None else None)
 
     def delete(self) -> None:
         self.store.delete()
