@@ -3,10 +3,10 @@ in segment files of ``segment`` records each (``digests/000000.bin``, ...), capp
 
 Records are appended when a turn closes. The store keeps the groups ``[first, end)``: when the files pass the cap,
 the oldest whole segments are forgotten (``forget``): they leave the live window at once and their files are deleted
-by ``drop_forgotten`` once the turn that forgot them has committed (and can no longer be undone), so a crash before
+by ``drop_forgotten`` once the turn that forgot them has committed and can no longer be undone, so a crash before
 that reopens the window the last committed turn names (it is saved with the turn's state, storage/statefile.py)
-with every file it needs, and an undo finds the window before the turn whole. What a
-record holds is the engine's (``fields``: name, numpy dtype, shape), written once in ``digests/layout.json``.
+with every file it needs, and an undo finds the window before the turn whole. What a record holds is the engine's
+(``fields``: name, numpy dtype, shape), written once in ``digests/layout.json``.
 """
 
 from __future__ import annotations
