@@ -1,11 +1,15 @@
 """Undo / retry of the last turn: the cache returns exactly to its state before it, in memory and in SQLite;
 settings changes and views from another thread while a reply streams."""
 
+import gc
 import threading
+import weakref
 
 import pytest
 import torch
 
+from kvchat.core.engine.checkpoint import Checkpoint
+from kvchat.core.engine.feeding import STOPPABLE
 from kvchat.core.engine.session import Sampling, Session
 from kvchat.core.engine.settings import Settings
 from kvchat.storage.db import Store
@@ -170,3 +174,31 @@ def test_an_undo_the_storage_refuses_changes_nothing(tiny, tmp_path, monkeypatch
     assert reopened.restored_from == "archive"
     _same({k: t for k, t in _state(session).items() if not k.endswith(".rows")},
           {k: t for k, t in _state(reopened).items() if not k.endswith(".rows")})
+
+
+@pytest.mark.parametrize("long", [False, True])
+def test_a_reply_holds_the_cache_and_one_undo_copy(tiny, monkeypatch, long):
+    """With undo on, a reply holds the cache and the copy of the state before it, not also the copy of the turn
+    before (the web UI's --max-cache-mb reserves twice the cache a session): that copy goes before the new one is
+    taken, or, for a message long enough to be stopped while it is read (its stop keeps it again), once it is read."""
+    session = Session(tiny("llama"), SETTINGS, sampling=GREEDY, undo=True)
+    _fill(session)
+    old = weakref.ref(session.undo_copy)
+    alive_at_capture, capture = [], Checkpoint.capture.__func__
+
+    def watched(cls, s, whole=False):
+        gc.collect()
+        alive_at_capture.append(old() is not None)
+        return capture(cls, s, whole)
+
+    monkeypatch.setattr(Checkpoint, "capture", classmethod(watched))
+    text = " ".join(f"Fact {i}: the red box holds {i * 7} stones." for i in range(60)) if long else "And box 3?"
+    assert (len(session.model.tokenizer(text)["input_ids"]) > STOPPABLE) == long
+    gen = session.reply(text)
+    next(gen)  # the message read, the reply's first text out
+    gc.collect()
+    assert alive_at_capture[0] == long  # the turn's undo copy: taken once the copy before is let go (a long read keeps it)
+    assert old() is None, "the copy of the turn before is held through the reply"
+    for _ in gen:
+        pass
+    assert session.undo_copy is not None and session.undo()

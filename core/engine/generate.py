@@ -30,7 +30,7 @@ class Reply:
     header: str  # the template's generation prompt
     header_ids: list[int]
     user_ids: list[int]
-    undone: object = None  # the undo copy of the turn before (``Checkpoint``), kept again if the read is stopped
+    undone: object = None  # the undo copy of the turn before (``Checkpoint``), kept again if a long read is stopped
     user_idx: int = -1
     reply_idx: int = -1
     generated: list[int] = field(default_factory=list)
@@ -72,6 +72,9 @@ class Generation:
                 raise
             finally:
                 self.stop_reads, self.reading = False, None
+            # Read: no stop can take it back now, so neither copy is needed through the reply (with undo, the cache
+            # and its undo copy are what the session holds from here, what the web UI's --max-cache-mb reserves).
+            before = reply.undone = None
             sample = Sampler(sampling, self.generator, self.log.column("token")[self.kept_positions()])
             self._streaming = reply.reply_idx
             picked = sample.pick(logits)

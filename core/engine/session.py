@@ -23,7 +23,7 @@ from ..cache import compress
 from . import persist, reopen
 from ..cache.kvcache import KVCache
 from .checkpoint import Checkpoint
-from .feeding import Feeding
+from .feeding import STOPPABLE, Feeding
 from .generate import CLOSING_RESERVE, Generation, Reply
 from .locking import locked
 from ..model.loading import ChatModel
@@ -288,7 +288,8 @@ class Session(Feeding, Generation, SessionReads):
         u = {"role": "user", "content": user}
         user_ids = self._segment_ids(self.messages, u)
         header = self.model.chat.generation_header(self.messages + [u])
-        header_ids, undone = self._encode(header), self._undo  # undone: the undo copy of the turn before
+        # undone: the undo copy of the turn before, kept again if a stop takes a long message's read back
+        header_ids, undone = self._encode(header), self._undo if len(user_ids) > STOPPABLE else None
         res = self._open_turn("assistant", len(user_ids) + len(header_ids) + CLOSING_RESERVE)
         return self._generate(Reply(res, self.messages + [u], header, header_ids, user_ids, undone), sampling)
 
@@ -330,6 +331,7 @@ class Session(Feeding, Generation, SessionReads):
         self.evictions.peak = self.cache.mean_length
         self._check_fits(needed)
         if role != "system" and self.undo_enabled:
+            self._undo = None  # the copy of the turn before goes first (unless a long read keeps it for a stop)
             self._undo = Checkpoint.capture(self)
         self.turn_open = True
         return TurnResult(turn=self.turn, role=role)
