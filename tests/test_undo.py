@@ -197,7 +197,7 @@ def test_a_reply_holds_the_cache_and_one_undo_copy(tiny, monkeypatch, long):
     gen = session.reply(text)
     next(gen)  # the message read, the reply's first text out
     gc.collect()
-    assert alive_at_capture[0] == long  # the turn's undo copy: taken once the copy before is let go (a long read keeps it)
+    assert alive_at_capture[0] == long  # the turn's undo copy taken once the copy before is let go (or kept: long)
     assert old() is None, "the copy of the turn before is held through the reply"
     for _ in gen:
         pass
