@@ -20,6 +20,12 @@ from .turns import ReadStopped, TurnResult, stage
 
 STOPPABLE = compress.MAX_CHUNK  # a user message longer than one forward can be stopped while it is read
 
+
+def stoppable(ids: list[int]) -> bool:
+    """Whether a user message of ``ids`` is read in more than one forward, so that a stop can take its read back."""
+    return len(ids) > STOPPABLE
+
+
 class Feeding:
     #: Tokens at the token log's end not read into the cache yet while a compression runs (the policy sees the
     #: tokens read: ``compress.layer_view``): a long message's later chunks (set by ``compress.make_room``), or

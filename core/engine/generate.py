@@ -12,7 +12,7 @@ import torch
 
 from . import persist
 from .checkpoint import Checkpoint
-from .feeding import STOPPABLE
+from .feeding import stoppable
 from .locking import locked
 from .sampling import Sampler
 from .tokens import Detokenizer
@@ -129,7 +129,7 @@ class Generation:
         """The session before a long user message is read (the turn's undo copy where one is kept), so that a stop
         while it is read can put it back (``_take_back``); None for a message read in one forward (it cannot be
         stopped part way, and a copy of the cache per turn would cost every short message)."""
-        if len(reply.user_ids) <= STOPPABLE:
+        if not stoppable(reply.user_ids):
             return None
         return self._undo if self.undo_enabled else Checkpoint.capture(self)
 

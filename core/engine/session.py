@@ -23,7 +23,7 @@ from ..cache import compress
 from . import persist, reopen
 from ..cache.kvcache import KVCache
 from .checkpoint import Checkpoint
-from .feeding import STOPPABLE, Feeding
+from .feeding import Feeding, stoppable
 from .generate import CLOSING_RESERVE, Generation, Reply
 from .locking import locked
 from ..model.loading import ChatModel
@@ -289,7 +289,7 @@ class Session(Feeding, Generation, SessionReads):
         user_ids = self._segment_ids(self.messages, u)
         header = self.model.chat.generation_header(self.messages + [u])
         # undone: the undo copy of the turn before, kept again if a stop takes a long message's read back
-        header_ids, undone = self._encode(header), self._undo if len(user_ids) > STOPPABLE else None
+        header_ids, undone = self._encode(header), self._undo if stoppable(user_ids) else None
         res = self._open_turn("assistant", len(user_ids) + len(header_ids) + CLOSING_RESERVE)
         return self._generate(Reply(res, self.messages + [u], header, header_ids, user_ids, undone), sampling)
 
