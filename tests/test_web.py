@@ -507,9 +507,20 @@ def test_new_and_open_stop_the_streaming_reply_first(browser, server):
         page.wait_for_function("() => !document.querySelector('#kv-send').disabled")
 
         _start_long_reply(page, "Write a long poem about the sea, the wind and the stars.")
-        page.locator("#kv-conversations label", has_text=f"#{first} ").click()
+        choice = page.locator("#kv-conversations label", has_text=f"#{first} ")
+        choice.click()
+        page.wait_for_function("l => l.querySelector('input').checked", arg=choice.element_handle(), timeout=10000)
         page.click("#kv-open")
-        page.wait_for_function(f"c => {STATUS_JS}.includes('opened conversation #' + c)", arg=first, timeout=30000)
+        try:
+            page.wait_for_function(f"c => {STATUS_JS}.includes('opened conversation #' + c)", arg=first,
+                                   timeout=30000)
+        except Exception as exc:  # what the page said instead (this wait timed out once under CI, 2026-11-29)
+            try:
+                reply = _last_stop(server.db, "the wind and the stars")
+            except TypeError:
+                reply = "not stored"
+            raise AssertionError(f"conversation #{first} not opened in 30 s; status {_status(page)!r}, info "
+                                 f"{_info(page)!r}, the poem's reply {reply}") from exc
         assert _last_stop(server.db, "the wind and the stars")[1] == "cancelled"
         # The status can say "opened" a moment before the chat has rendered the opened conversation.
         page.wait_for_function("() => { const c = document.querySelector('#kv-chat');"
