@@ -511,15 +511,15 @@ def test_new_and_open_stop_the_streaming_reply_first(browser, server):
         choice.click()
         page.wait_for_function("l => l.querySelector('input').checked", arg=choice.element_handle(), timeout=10000)
         page.click("#kv-open")
-        try:
+        try:  # 60 s under a loaded machine's queue: that Open stopped the reply, not its end, is asserted next
             page.wait_for_function(f"c => {STATUS_JS}.includes('opened conversation #' + c)", arg=first,
-                                   timeout=30000)
-        except Exception as exc:  # what the page said instead (this wait timed out once under CI, 2026-11-29)
+                                   timeout=60000)
+        except Exception as exc:  # what the page said instead (a 30 s wait timed out once in CI, 2026-11-29)
             try:
                 reply = _last_stop(server.db, "the wind and the stars")
             except TypeError:
                 reply = "not stored"
-            raise AssertionError(f"conversation #{first} not opened in 30 s; status {_status(page)!r}, info "
+            raise AssertionError(f"conversation #{first} not opened in 60 s; status {_status(page)!r}, info "
                                  f"{_info(page)!r}, the poem's reply {reply}") from exc
         assert _last_stop(server.db, "the wind and the stars")[1] == "cancelled"
         # The status can say "opened" a moment before the chat has rendered the opened conversation.
