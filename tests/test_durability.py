@@ -205,6 +205,15 @@ def test_disk_stays_bounded_with_recall_off(tiny, tmp_path, policy):
     assert_same_cache(reopened, live)
 
 
+def _small_archive(live: Session):
+    """Recall's cap set on ``live``'s digests to one a few tiny-model turns pass (the setting's least, 1 MB, takes
+    hundreds), after checking that the setting reached them; before their first record (a system prompt would make
+    one), as the segments' size follows the cap then. Returns the digests' store."""
+    assert live.digests.cap_mb == live.settings.archive_mb and live.digests.store.dtype is None
+    live.digests.cap_mb = 0.03
+    return live.digests.store
+
+
 @pytest.mark.parametrize("saved", [True, False])
 def test_recall_archive_is_capped_forgetting_the_oldest_first(tiny, tmp_path, saved):
     """Recall's archive stays under --archive-mb (give or take one segment and one turn): past it the oldest sentence
@@ -214,8 +223,7 @@ def test_recall_archive_is_capped_forgetting_the_oldest_first(tiny, tmp_path, sa
     settings = Settings(policy="streaming", budget=48, window=8, slack=6, recall="on", archive_mb=1.0)
     live = Session(model, settings, store=Store(tmp_path / "kv.db") if saved else None, sampling=GREEDY,
                    system=None)
-    assert live.digests.cap_mb == settings.archive_mb
-    live.digests.cap_mb = 0.03  # before the first record: a cap a few tiny-model turns pass (1 MB takes hundreds)
+    _small_archive(live)
     cap = int(live.digests.cap_mb * 2**20)
     forgotten = None
     for i, (user, reply) in enumerate(_chat_turns(100)):
@@ -247,8 +255,7 @@ def test_undo_of_a_turn_that_forgot_archived_groups_brings_them_back(tiny, tmp_p
     model = tiny("llama")
     live = Session(model, Settings(policy="streaming", budget=48, window=8, slack=6, recall="on"),
                    store=Store(tmp_path / "kv.db"), sampling=GREEDY, undo=True, system=None)
-    live.digests.cap_mb = 0.03  # before the first record: a cap a few tiny-model turns pass (1 MB takes hundreds)
-    store = live.digests.store
+    store = _small_archive(live)
     turns = iter(_chat_turns(60))
     while True:
         before, spans = live.digests.window(), live.digests.read()[0]
