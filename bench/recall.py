@@ -35,6 +35,7 @@ import torch
 from ..core.recall import choose as recall_engine
 from ..core.recall.choose import choose
 from ..core.recall.digest import REPS
+from ..core.recall import rerank
 from ..core.recall.lexical import bm25, fuse, word_forms
 from ..core.recall.score import QUERY_ROWS, relevance, scoring_layers
 from ..core.engine.session import ContextFullError, Sampling, Session
@@ -172,7 +173,8 @@ def cell(cm, settings: Settings, cases: list[dict], after: int, max_new_tokens: 
         res = [run_case(cm, settings, c, after, max_new_tokens, store) for c in cases if c["kind"] == kind]
         ms = [r["recall_ms"] for r in res if r["recall_ms"] is not None]
         row = {"policy": settings.policy, "budget": settings.budget if POLICIES[settings.policy].bounded else None,
-               "recall": settings.recall, "rerank": settings.recall_rerank, "kind": kind, "after_tokens": after,
+               "recall": settings.recall, "rerank": settings.recall_rerank,
+               "rerank_bf16": rerank.bf16_reads(cm), "kind": kind, "after_tokens": after,
                "cases": len(res),
                "generated_hits": sum(r["generated_hit"] for r in res), "probe_hits": sum(r["probe_hit"] for r in res),
                "fact_recalled": sum(r["fact_recalled"] for r in res),

@@ -22,9 +22,12 @@ def _loglik(cm, prefix, question):
     return float(logprobs[at, torch.tensor(question)].sum())
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
-def test_gains_read_in_padded_batches_equal_each_sequence_read_alone(tiny, monkeypatch, arch):
+def test_gains_read_in_padded_batches_equal_each_sequence_read_alone(tiny, monkeypatch, arch, bf16):
+    """In fp32 to its rounding; in bf16 (where the CPU multiplies it natively, rerank.BF16_READS) to bf16's."""
     cm = tiny(arch)
+    monkeypatch.setattr(rerank, "BF16_READS", bf16)
     monkeypatch.setattr(rerank, "BATCH", 3)  # several batches, each padded to its longest row
     monkeypatch.setattr(rerank, "ROWS", 7)  # the logits of 7 positions at a time, over the whole vocabulary
     question = _ids(cm, "Where did I put the spare key for the shed?")
@@ -41,7 +44,48 @@ def test_gains_read_in_padded_batches_equal_each_sequence_read_alone(tiny, monke
     q = question.tolist()
     none = _loglik(cm, head, q)
     want = torch.tensor([(_loglik(cm, head + c.tolist() + tail + head, q) - none) / len(q) for c in candidates])
-    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+    if bf16:
+        torch.testing.assert_close(got, want, atol=3e-2, rtol=3e-2)
+        monkeypatch.setattr(rerank, "BF16_READS", False)
+        assert not torch.equal(got, rerank.gains(cm, question, candidates))  # the products did run in bf16
+    else:
+        torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_bf16_reads_take_a_few_shapes_and_fp32_reads_no_padding(tiny, monkeypatch):
+    """oneDNN keeps a kernel for every shape it multiplies in bf16 (about 2 MB each for the default model), so the
+    bf16 reads are padded to a few (rows: a full pool's, else a power of two; width: a multiple of 16), which changes
+    no gain; bf16's gains are fp32's to its rounding, and fp32 reads are not padded."""
+    cm = tiny("llama")
+    seen, real = [], rerank._hidden
+    monkeypatch.setattr(rerank, "_hidden", lambda cm, ids: seen.append(
+        (tuple(ids.shape), torch.is_autocast_enabled("cpu"))) or real(cm, ids))
+    gen = torch.Generator().manual_seed(0)
+    words = lambda n: torch.randint(300, 2000, (n,), generator=gen)  # noqa: E731
+    cases = [(words(int(torch.randint(1, 30, (1,), generator=gen))),
+              [words(int(torch.randint(1, 40, (1,), generator=gen))) for _ in range(k)]) for k in range(1, 17)]
+    for bf16 in (True, False):
+        monkeypatch.setattr(rerank, "BF16_READS", bf16)
+        seen.clear()
+        got = [rerank.gains(cm, question, candidates, pool=16) for question, candidates in cases]
+        head, tail = cm.chat.user_wrap()
+        if bf16:
+            padded = got
+            for (question, candidates), a in zip(cases, got):  # the padding rows change nothing
+                torch.testing.assert_close(a, rerank.gains(cm, question, candidates), atol=1e-3, rtol=0)
+            del seen[len(cases):]
+            assert all(on for _, on in seen)
+            shapes = {shape for shape, _ in seen}
+            assert {rows for rows, _ in shapes} <= {2, 4, 8, 16, 17} and all(w % 16 == 0 for _, w in shapes)
+            assert len(shapes) <= 5 * 3, shapes
+        else:
+            assert not any(on for _, on in seen)
+            assert [shape for shape, _ in seen] == [
+                (len(c) + 1, len(head) + max([0] + [min(len(x), rerank.CANDIDATE_TOKENS) + len(tail) + len(head)
+                                                    for x in c]) + min(len(q), rerank.QUESTION_TOKENS))
+                for q, c in cases]
+            for a, b in zip(padded, got):  # bf16's rounding: some 3% of the largest gain (tiny random models)
+                torch.testing.assert_close(a, b, atol=4e-2 * max(1.0, float(b.abs().max())), rtol=0)
 
 
 def test_the_message_is_read_after_its_candidates_as_a_user_message(tokenizer, tiny):
@@ -77,7 +121,7 @@ def test_only_the_pool_is_reranked_and_only_a_likelier_message_brings_a_candidat
     wanted = torch.tensor([0.9, 0.8, 0.7, 0.95, 0.6, 0.75, 0.5, 0.99])
     seen = []
 
-    def gains(model, question, candidates):
+    def gains(model, question, candidates, pool=None):
         seen.append([tuple(c.tolist()) for c in candidates])
         return torch.tensor([-0.2, 0.3, 0.0, 0.1])[: len(candidates)]
 
@@ -94,9 +138,9 @@ def test_a_chat_with_reranking_recalls_only_from_its_pool(tiny, monkeypatch):
     pools, spent = [], []
     real = rerank.gains
 
-    def spy(model, question, candidates):
+    def spy(model, question, candidates, pool=None):
         pools.append(len(candidates))
-        out = real(model, question, candidates)
+        out = real(model, question, candidates, pool)
         spent.append(out)
         return out
 

@@ -146,7 +146,7 @@ def reranked(cm, wanted: torch.Tensor, held: torch.Tensor, content: torch.Tensor
     out = torch.zeros_like(wanted)
     if picked:
         strip = lambda t: t[~torch.isin(t, scaffolding)]  # noqa: E731
-        gain = rerank.gains(cm, strip(message.long()), [strip(torch.tensor(text(g))) for g in picked])
+        gain = rerank.gains(cm, strip(message.long()), [strip(torch.tensor(text(g))) for g in picked], pool)
         out[torch.tensor(picked)] = gain.clamp(min=0).to(out.dtype)
     return out
 

@@ -23,7 +23,7 @@ KEPT_LOGITS_MB = 96  # on the CPU the coarse pass's products kept for its second
 # heads x 72 query rows, the default model's long message)
 
 
-def _native_bf16() -> bool:
+def native_bf16() -> bool:
     """Whether the CPU multiplies bf16 natively (AVX512-BF16): there the scoring's products ran 1.7-6x faster than
     fp32 on this project's machine."""
     return getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
@@ -31,10 +31,10 @@ def _native_bf16() -> bool:
 
 #: The dtype the coarse keys are kept in memory and multiplied in: bf16 where the CPU has native bf16 products (the
 #: coarse pass only picks candidates), else fp16 (half the memory, multiplied in fp32).
-COARSE_DTYPE = torch.bfloat16 if _native_bf16() else torch.float16
+COARSE_DTYPE = torch.bfloat16 if native_bf16() else torch.float16
 #: The dtype the full pass multiplies the candidates' digests in: bf16 where native (the shares it gives are within
 #: ~1e-3 of fp32's; for 64 query rows and 512 candidates the pass took 8.5 ms, 14.5 in fp32), else fp32.
-FULL_DTYPE = torch.bfloat16 if _native_bf16() else torch.float32
+FULL_DTYPE = torch.bfloat16 if native_bf16() else torch.float32
 
 
 def scoring_layers(num_layers: int) -> list[int]:
