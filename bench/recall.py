@@ -32,10 +32,9 @@ from unittest import mock
 
 import torch
 
-from ..core.recall import choose as recall_engine
+from ..core.recall import choose as recall_engine, rerank
 from ..core.recall.choose import choose
 from ..core.recall.digest import REPS
-from ..core.recall import rerank
 from ..core.recall.lexical import bm25, fuse, word_forms
 from ..core.recall.score import QUERY_ROWS, relevance, scoring_layers
 from ..core.engine.session import ContextFullError, Sampling, Session

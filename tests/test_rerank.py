@@ -73,7 +73,7 @@ def test_bf16_reads_take_a_few_shapes_and_fp32_reads_no_padding(tiny, monkeypatc
             padded = got
             for (question, candidates), a in zip(cases, got):  # the padding rows change nothing
                 torch.testing.assert_close(a, rerank.gains(cm, question, candidates), atol=1e-3, rtol=0)
-            del seen[len(cases):]
+            del seen[len(cases):]  # the shapes of those unpadded reads
             assert all(on for _, on in seen)
             shapes = {shape for shape, _ in seen}
             assert {rows for rows, _ in shapes} <= {2, 4, 8, 16, 17} and all(w % 16 == 0 for _, w in shapes)
