@@ -27,7 +27,7 @@ import contextlib
 
 import torch
 
-from .score import native_bf16
+from .score import bucket, native_bf16
 
 QUESTION_TOKENS = 24  # the message's last content tokens whose likelihood is compared
 CANDIDATE_TOKENS = 32  # a candidate's first content tokens read before the message
@@ -88,11 +88,12 @@ def bf16_reads(cm) -> bool:
 
 def _padded(rows: int, full: int, width: int) -> tuple[int, int]:
     """(rows, width) a bf16 batch is read in: ``full`` rows (a full pool's batch) or else the next power of two,
-    and the width rounded up to ``WIDTH_STEP``: some 6 x 4 shapes in all, each kept by oneDNN for good
-    (``BF16_READS``). Padding rows cost little where they come: a pool not yet full, early in a chat."""
+    and the width a ``bucket`` of ``WIDTH_STEP`` (score.py's sizes for its own bf16 products): some 6 x 4 shapes in
+    all, each kept by oneDNN for good (``BF16_READS``). Padding rows cost little where they come: a pool not yet
+    full, early in a chat; a full pool's rows are not padded to a power of two (17 would be read as 32)."""
     if rows != full:
         rows = min(1 << (rows - 1).bit_length(), BATCH)
-    return rows, -(-width // WIDTH_STEP) * WIDTH_STEP
+    return rows, bucket(width, WIDTH_STEP)
 
 
 def _hidden(cm, ids: torch.Tensor) -> torch.Tensor:

@@ -182,7 +182,7 @@ def _blocked_shares(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.
     return torch.cat(shares).cpu()  # on a GPU one copy back, not one per block
 
 
-def _bucket(n: int, step: int) -> int:
+def bucket(n: int, step: int) -> int:
     """``n`` rounded up to one of a few sizes: a multiple of ``step``, then (past 4 steps) the next of 2^k and 1.5 x 2^k
     steps (at most half as much again)."""
     k = -(-n // step)
@@ -193,12 +193,12 @@ def _bucket(n: int, step: int) -> int:
 
 
 def _bf16_scores(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """q @ keysᵀ ([heads, m, d] @ [heads, n, d]ᵀ) in bf16 on the CPU, its m and n padded to ``_bucket`` sizes (zero
+    """q @ keysᵀ ([heads, m, d] @ [heads, n, d]ᵀ) in bf16 on the CPU, its m and n padded to ``bucket`` sizes (zero
     rows, sliced off after): the CPU's bf16 products (oneDNN's) make and keep a kernel for every shape they multiply,
     about 0.5 MB each here, never freed; the rows and groups change with every message, and a long chat's process
     grew ~20 KB a turn (docs/memory.md). Bucketed, a chat multiplies a few dozen shapes."""
     m, n = q.shape[1], keys.shape[1]
-    mp, np_ = _bucket(m, 64), _bucket(n, 64)
+    mp, np_ = bucket(m, 64), bucket(n, 64)
     if mp != m:
         q = F.pad(q, (0, 0, 0, mp - m))
     if np_ != n:
