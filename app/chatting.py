@@ -8,6 +8,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 
 import gradio as gr
 
@@ -30,14 +31,26 @@ class Chatting:
 
     def reply(self, text: str, event: gr.EventData, request: gr.Request):
         """Send, Enter or Retry (one event, wired in app/layout.py): ``retry`` or ``send``'s outputs, with Send, Retry
-        and Undo greyed while the reply streams (``buttons_back`` gives them back when the event ends)."""
+        and Undo greyed while the reply streams (``after_reply`` gives them back when the event ends)."""
+        key = request.session_hash
+        if (entry := self.manager.get(key)) is not None:
+            self.replying[key] = weakref.ref(entry)
         run = self.retry(request) if event.target is self.retry_button else self.send(text, request)
         for out in run:
             yield [*out, *[gr.update(interactive=False)] * 3]
 
-    @staticmethod
-    def buttons_back():
-        return [gr.update(interactive=True)] * 3
+    def after_reply(self, request: gr.Request):
+        """When a reply's event has ended, in the page too: Send, Retry and Undo back, and, where New or Open replaced
+        the tab's conversation meanwhile, the views drawn again from it. The page draws each event's updates in its
+        own loop, so the stopped reply's last ones, still queued there under load, could land after New's or Open's
+        and leave the old chat on screen (seen: the chat and status of the stopped reply over the opened
+        conversation); this handler runs only once they are all drawn. Returns the views, then the three buttons."""
+        key = request.session_hash
+        started, now = self.replying.pop(key, None), self.manager.get(key)
+        buttons = [gr.update(interactive=True)] * 3
+        if started is None or now is None or started() is now or now.said is None:  # None: its views still to come
+            return [gr.skip()] * 7 + buttons
+        return self._all(key, now, now.said) + buttons
 
     def send(self, text: str, request: gr.Request):
         key = request.session_hash
@@ -162,9 +175,11 @@ class Chatting:
             entry.session.cancel()
 
     def stop_for_open(self, conversation_id, request: gr.Request):
-        """Open stops this tab's reply only where a conversation is chosen (without one it only says so)."""
+        """Open stops this tab's reply only where a conversation is chosen (without one it only says so). Returns the
+        chosen conversation, which Open's own event reads next."""
         if conversation_id is not None:
             self.stop(request)
+        return conversation_id
 
     def undo(self, request: gr.Request):
         """chat, input, charts, head map, cache view, conversations, status, info."""

@@ -33,6 +33,9 @@ class Entry:
     rss_mb: dict[int, float] = field(default_factory=dict)  # turn -> memory after it (GPU allocated on CUDA, else RSS)
     stored: StoredTurns = field(default_factory=StoredTurns)  # the charts' turn statistics, read as they are stored
     busy: bool = False  # a reply is streaming
+    #: the status line New or Open drew for it, set as they end (``after_reply`` draws it again after a stopped
+    #: reply's late updates); None before
+    said: str | None = None
 
 
 class SessionManager:

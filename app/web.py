@@ -14,6 +14,7 @@ import os
 import signal
 import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # a local tool: no calls home
@@ -47,6 +48,7 @@ class WebApp(Layout, Chatting):
         self._exports = tempfile.TemporaryDirectory(prefix="kvchat-export-")
         self.export_dir = Path(self._exports.name)
         self.searches: dict[str, str] = {}  # each tab's search of its saved list (by Gradio session), "" for none
+        self.replying: dict[str, weakref.ref] = {}  # each tab's entry its last reply started on (``after_reply``)
 
     # -- the views one handler refreshes ----------------------------------------------------------------------------
     def _info(self, key: str, entry: Entry) -> str:
@@ -126,6 +128,7 @@ class WebApp(Layout, Chatting):
 
     def unload(self, request: gr.Request):
         self.searches.pop(request.session_hash, None)
+        self.replying.pop(request.session_hash, None)
         self.manager.release(request.session_hash)
 
     def _entry(self, key: str) -> Entry:
@@ -210,7 +213,8 @@ class WebApp(Layout, Chatting):
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
             return self._blank(str(exc)) + [gr.skip()] * self.n_settings
-        return self._all(key, entry, "new conversation") + self._settings_values(entry)
+        entry.said = "new conversation"
+        return self._all(key, entry, entry.said) + self._settings_values(entry)
 
     def open_conversation(self, conversation_id, request: gr.Request):
         key = request.session_hash
@@ -224,8 +228,8 @@ class WebApp(Layout, Chatting):
             return self._blank(str(exc)) + [gr.skip()] * self.n_settings
         how = {"archive": "restored exactly as its last turn left it",
                "tokens": "rebuilt from the tokens it kept"}.get(entry.session.restored_from, "")
-        status = f"opened conversation #{conversation_id}; its cache was {how}" if how else ""
-        return self._all(key, entry, status) + self._settings_values(entry)
+        entry.said = f"opened conversation #{conversation_id}; its cache was {how}" if how else ""
+        return self._all(key, entry, entry.said) + self._settings_values(entry)
 
     def rename(self, conversation_id, title: str, request: gr.Request):
         try:

@@ -470,6 +470,44 @@ def test_stop_while_a_long_message_is_read_gives_the_message_back(web, monkeypat
     assert "reply:" in out[6] and len(web.manager.store.messages(session.conversation_id)) == len(stored) + 2
 
 
+def test_after_a_reply_the_conversation_new_or_open_put_in_its_place_is_drawn_again(web):
+    """New or Open while a reply streams: the page draws each event's updates in its own loop, and under load the
+    stopped reply's last ones landed after Open's (CI saw the opened chat replaced by the stopped reply's).
+    ``after_reply``, which the page runs once the reply's updates are all drawn, draws the tab's views again where New
+    or Open has replaced its conversation since the reply began, with what they said; otherwise (the same
+    conversation, or New or Open still running: its own views come later) it gives back only the buttons."""
+    from types import SimpleNamespace
+
+    import gradio as gr
+
+    send, request, buttons = SimpleNamespace(target=None), _Request("a"), [gr.update(interactive=True)] * 3
+    other = web.manager.entry("b").session
+    _chat(other, turns=1)
+    web.manager.release("b")
+    _chat(web.manager.entry("a").session, turns=1)
+    list(web.reply("Tell me about the kite", send, request))
+    assert web.after_reply(request) == [gr.skip()] * 7 + buttons  # nothing replaced it
+
+    reply = web.reply("And the hill?", send, request)
+    next(reply)
+    web.stop_for_open(other.conversation_id, request)
+    list(reply)  # its last update says how it stopped
+    web.open_conversation(other.conversation_id, request)
+    out = web.after_reply(request)
+    opened = web.manager.get("a").session
+    assert opened.conversation_id == other.conversation_id and out[7:] == buttons
+    assert out[0] == chat_messages(opened) and out[5].startswith(f"opened conversation #{other.conversation_id}")
+
+    list(web.reply("And the river?", send, request))
+    web.manager.new("a")  # New still running: what it says is not set yet, its own views are still to come
+    assert web.after_reply(request) == [gr.skip()] * 7 + buttons
+    assert web.after_reply(request) == [gr.skip()] * 7 + buttons  # once per reply
+    list(web.reply("A kite?", send, request))
+    assert web.new_conversation("", request)[5] == "new conversation"
+    out = web.after_reply(request)
+    assert out[0] == [] and out[5] == "new conversation"
+
+
 def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
