@@ -39,17 +39,22 @@ class Chatting:
         for out in run:
             yield [*out, *[gr.update(interactive=False)] * 3]
 
-    def after_reply(self, request: gr.Request):
+    def after_reply(self, chosen, request: gr.Request):
         """When a reply's event has ended, in the page too: Send, Retry and Undo back, and, where New or Open replaced
         the tab's conversation meanwhile, the views drawn again from it. The page draws each event's updates in its
         own loop, so the stopped reply's last ones, still queued there under load, could land after New's or Open's
         and leave the old chat on screen (seen: the chat and status of the stopped reply over the opened
-        conversation); this handler runs only once they are all drawn. Returns the views, then the three buttons."""
+        conversation); this handler runs only once they are all drawn. A reply leaves the saved list's choice
+        (``chosen``, as the page has it now) to the person; where nothing is chosen, the tab's conversation is (the
+        first reply of a new one saves it). Returns the views, then the three buttons."""
         key = request.session_hash
         started, now = self.replying.pop(key, None), self.manager.get(key)
         buttons = [gr.update(interactive=True)] * 3
         if started is None or now is None or started() is now or now.said is None:  # None: its views still to come
-            return [gr.skip()] * 7 + buttons
+            listed = gr.skip()
+            if chosen is None and now is not None and now.session.conversation_id is not None:
+                listed = self._conversations(key, now)
+            return [gr.skip()] * 4 + [listed] + [gr.skip()] * 2 + buttons
         return self._all(key, now, now.said) + buttons
 
     def send(self, text: str, request: gr.Request):
@@ -136,7 +141,7 @@ class Chatting:
                   + f"; stopped by {res.stopped}")
         status = "; ".join([status] + res.warnings)
         yield [chat_messages(s), gr.skip(), self._charts(entry), self._head_map(entry), cache_view(s),
-               self._conversations(key, entry), status, self._info(key, entry)]
+               self._conversations(key, entry, keep=True), status, self._info(key, entry)]
 
     @staticmethod
     def _read_first(gen, session):

@@ -184,8 +184,8 @@ class Layout:
         self.retry_button = chat.retry
         buttons = [chat.send, chat.retry, chat.undo]
         gr.on([chat.send.click, chat.text.submit, chat.retry.click], self.reply, [chat.text], stream_outputs + buttons,
-              trigger_mode="once", **model_queue).then(self.after_reply, None, views + buttons, queue=False,
-                                                         show_progress="hidden")
+              trigger_mode="once", **model_queue).then(self.after_reply, [side.conversations], views + buttons,
+                                                         queue=False, show_progress="hidden")
         chat.stop.click(self.stop, None, None, queue=False)
         chat.undo.click(self.undo, None, stream_outputs, **model_queue)
 

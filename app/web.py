@@ -62,9 +62,10 @@ class WebApp(Layout, Chatting):
                 f"{st['cache_tokens']:,} / {limit} positions, {st['cache_bytes'] / 2**20:.1f} MB · "
                 f"{st['total_tokens']:,} tokens in the conversation")
 
-    def _conversations(self, key: str, entry: Entry | None = None, value: int | None = None):
+    def _conversations(self, key: str, entry: Entry | None = None, value: int | None = None, keep: bool = False):
         """The saved list of the tab ``key``: the ``LIST_LIMIT`` last used of the conversations its search finds,
-        its label saying how many there are; ``value`` (else the tab's conversation) chosen where listed."""
+        its label saying how many there are; ``value`` (else the tab's conversation) chosen where listed, or with
+        ``keep`` the page's choice left as it is (a reply's end: a conversation chosen while it streamed stays)."""
         store, search = self.manager.store, self.searches.get(key, "")
         choices = []
         for c in store.conversations(search, limit=LIST_LIMIT):
@@ -76,6 +77,8 @@ class WebApp(Layout, Chatting):
         shown = f"the {len(choices)} last used of {total:,}" if total > len(choices) else f"{total:,}"
         label = (f"Saved: {shown} with “{search}”" if search else
                  f"Saved: {shown} (search for the others)" if total > len(choices) else "Saved")
+        if keep:
+            return gr.update(choices=choices, label=label)
         if value is None and entry is not None:
             value = entry.session.conversation_id
         return gr.update(choices=choices, label=label, value=value if value in {c[1] for c in choices} else None)

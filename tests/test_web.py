@@ -496,7 +496,8 @@ def _start_long_reply(page, text: str):
 def test_new_and_open_stop_the_streaming_reply_first(browser, server):
     """New, or Open, while a reply streams stops it (kept as far as it got, as Stop keeps it) and then runs, at once:
     before, they waited in the model's queue until the reply ended by itself. Open opens the conversation chosen at
-    its click and it stays shown, however late a slow page draws the stopped reply's last updates."""
+    its click and it stays shown, however late a slow page draws the stopped reply's last updates. A conversation
+    chosen in the list while a reply streams stays chosen after it."""
     context, page = _open(browser, server.url)
     try:
         _set_number(page, "kv-max-new", "2000")
@@ -536,6 +537,18 @@ def test_new_and_open_stop_the_streaming_reply_first(browser, server):
         assert _last_stop(server.db, "the wind and the stars")[1] == "cancelled"
         assert page.locator("#kv-conversations input:checked").evaluate("i => i.value") == str(first)
         assert "lighthouse" in page.inner_text("#kv-chat") and len(_bot_messages(page)) == 1
+
+        # A conversation chosen in the list while a reply streams stays chosen once it has ended, for Open after it
+        # (the reply's end chose its own conversation again).
+        poem = _last_stop(server.db, "the wind and the stars")[0]
+        _start_long_reply(page, "Tell me more about the cat, at length.")
+        other = page.locator("#kv-conversations label", has_text=f"#{poem} ")
+        other.click()
+        page.wait_for_function("l => l.querySelector('input').checked", arg=other.element_handle(), timeout=10000)
+        page.click("#kv-stop")
+        page.wait_for_function("() => !document.querySelector('#kv-send').disabled", timeout=60000)
+        assert _last_stop(server.db, "about the cat, at length")[1] == "cancelled"  # it streamed until the Stop
+        assert page.locator("#kv-conversations input:checked").evaluate("i => i.value") == str(poem)
     finally:
         context.close()
 

@@ -486,26 +486,49 @@ def test_after_a_reply_the_conversation_new_or_open_put_in_its_place_is_drawn_ag
     web.manager.release("b")
     _chat(web.manager.entry("a").session, turns=1)
     list(web.reply("Tell me about the kite", send, request))
-    assert web.after_reply(request) == [gr.skip()] * 7 + buttons  # nothing replaced it
+    chosen = web.manager.get("a").session.conversation_id  # the page's choice: the tab's conversation
+    assert web.after_reply(chosen, request) == [gr.skip()] * 7 + buttons  # nothing replaced it
 
     reply = web.reply("And the hill?", send, request)
     next(reply)
     web.stop_for_open(other.conversation_id, request)
     list(reply)  # its last update says how it stopped
     web.open_conversation(other.conversation_id, request)
-    out = web.after_reply(request)
+    out = web.after_reply(chosen, request)
     opened = web.manager.get("a").session
     assert opened.conversation_id == other.conversation_id and out[7:] == buttons
     assert out[0] == chat_messages(opened) and out[5].startswith(f"opened conversation #{other.conversation_id}")
 
     list(web.reply("And the river?", send, request))
     web.manager.new("a")  # New still running: what it says is not set yet, its own views are still to come
-    assert web.after_reply(request) == [gr.skip()] * 7 + buttons
-    assert web.after_reply(request) == [gr.skip()] * 7 + buttons  # once per reply
+    assert web.after_reply(None, request) == [gr.skip()] * 7 + buttons
+    assert web.after_reply(None, request) == [gr.skip()] * 7 + buttons  # once per reply
     list(web.reply("A kite?", send, request))
     assert web.new_conversation("", request)[5] == "new conversation"
-    out = web.after_reply(request)
+    out = web.after_reply(None, request)
     assert out[0] == [] and out[5] == "new conversation"
+
+
+def test_a_conversation_chosen_in_the_list_while_a_reply_streams_stays_chosen(web):
+    """A reply's end redraws the saved list (its titles and sizes) without choosing in it: a conversation chosen
+    there while the reply streamed stays chosen, for Open after it (the reply's end chose its own conversation again).
+    Where nothing is chosen, as after the first reply of a new conversation, the tab's conversation is."""
+    from types import SimpleNamespace
+
+    import gradio as gr
+
+    send, request = SimpleNamespace(target=None), _Request("a")
+    other = web.manager.entry("b").session
+    _chat(other, turns=1)
+    web.manager.release("b")
+    session = web.manager.entry("a").session
+    outs = list(web.reply("Tell me about the kite", send, request))  # the first reply saves the new conversation
+    listed = outs[-1][5]
+    assert "value" not in listed and session.conversation_id in [c[1] for c in listed["choices"]]
+    assert web.after_reply(None, request)[4]["value"] == session.conversation_id  # nothing chosen: the tab's one
+    outs = list(web.reply("And the hill?", send, request))
+    assert "value" not in outs[-1][5]
+    assert web.after_reply(other.conversation_id, request)[4] == gr.skip()  # another one chosen: it stays
 
 
 def _nbytes(tensors) -> int:
