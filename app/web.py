@@ -150,7 +150,8 @@ class WebApp(Layout, Chatting):
     def apply_settings(self, request: gr.Request, *values, quiet: bool = False):
         """Settings widgets (cache settings, then policy parameters) -> the live session. Every value is parsed by
         its declaration first; a bad one is a visible error and nothing is applied. Returns charts, head map, cache
-        view, status, info and the saved conversations (their policy as stored, which a change rewrites)."""
+        view, status, info and the saved conversations (their policy as stored, which a change rewrites; the list's
+        choice left as the page has it)."""
         key = request.session_hash
         cache_values, param_values = values[:len(CACHE_SETTINGS)], dict(zip(self.params, values[len(CACHE_SETTINGS):]))
         try:
@@ -181,7 +182,7 @@ class WebApp(Layout, Chatting):
             status = "settings unchanged"
         s = entry.session
         return [self._charts(entry), self._head_map(entry), cache_view(s), status, self._info(key, entry),
-                self._conversations(key, entry) if applied else gr.skip()]
+                self._conversations(key, entry, keep=True) if applied else gr.skip()]
 
     def apply_settings_on_blur(self, request: gr.Request, *values):
         """Leaving a field applies it too, silently when nothing changed."""
