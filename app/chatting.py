@@ -180,11 +180,9 @@ class Chatting:
             entry.session.cancel()
 
     def stop_for_open(self, conversation_id, request: gr.Request):
-        """Open stops this tab's reply only where a conversation is chosen (without one it only says so). Returns the
-        chosen conversation, which Open's own event reads next."""
+        """Open stops this tab's reply only where a conversation is chosen (without one it only says so)."""
         if conversation_id is not None:
             self.stop(request)
-        return conversation_id
 
     def undo(self, request: gr.Request):
         """chat, input, charts, head map, cache view, conversations, status, info."""

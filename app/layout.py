@@ -101,7 +101,6 @@ class Layout:
             with gr.Row():
                 ui.open = gr.Button("Open", size="sm", elem_id="kv-open")
                 ui.delete = gr.Button("Delete", size="sm", variant="stop", elem_id="kv-delete")
-            ui.open_choice = gr.State(None)  # the conversation chosen at Open's click (``stop_for_open`` keeps it)
             ui.title = gr.Textbox(label="New title", elem_id="kv-title")
             with gr.Row():
                 ui.rename = gr.Button("Rename", size="sm", elem_id="kv-rename")
@@ -201,13 +200,13 @@ class Layout:
         opened = views + settings_outputs
         # New, the chat pane's clear and Open first stop this tab's reply, if one streams (kept as far as it got, as
         # Stop keeps it), so that they run at its next token rather than when it would have ended. The page sends a
-        # click's second event only once the first has answered: Open's reads the conversation chosen at the click,
-        # kept by the first, not the list, which the stopped reply's last update may have set back meanwhile.
+        # click's second event only once the first has answered; nothing sets the list's choice between them (a
+        # reply's end and a settings change draw the list without choosing in it).
         gr.on([side.new.click, chat.chatbot.clear], self.stop, None, None, queue=False)
-        side.open.click(self.stop_for_open, [side.conversations], [side.open_choice], queue=False)
+        side.open.click(self.stop_for_open, [side.conversations], None, queue=False)
         side.new.click(self.new_conversation, [side.system], opened, **model_queue)
         chat.chatbot.clear(self.new_conversation, [side.system], opened, **model_queue)
-        side.open.click(self.open_conversation, [side.open_choice], opened, **model_queue)
+        side.open.click(self.open_conversation, [side.conversations], opened, **model_queue)
         side.search.change(self.search_conversations, [side.search], [side.conversations], trigger_mode="always_last",
                           show_progress="hidden")
         side.rename.click(self.rename, [side.conversations, side.title], [side.conversations, status, side.title])
