@@ -200,8 +200,9 @@ class Layout:
         opened = views + settings_outputs
         # New, the chat pane's clear and Open first stop this tab's reply, if one streams (kept as far as it got, as
         # Stop keeps it), so that they run at its next token rather than when it would have ended. The page sends a
-        # click's second event only once the first has answered; nothing sets the list's choice between them (a
-        # reply's end and a settings change draw the list without choosing in it).
+        # click's second event only once the first has answered; where a conversation is chosen, nothing changes the
+        # choice between them (a reply's end and a settings change draw the list without choosing in it, and
+        # ``after_reply`` chooses the tab's conversation only where none is chosen).
         gr.on([side.new.click, chat.chatbot.clear], self.stop, None, None, queue=False)
         side.open.click(self.stop_for_open, [side.conversations], None, queue=False)
         side.new.click(self.new_conversation, [side.system], opened, **model_queue)

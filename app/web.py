@@ -65,7 +65,7 @@ class WebApp(Layout, Chatting):
     def _conversations(self, key: str, entry: Entry | None = None, value: int | None = None, keep: bool = False):
         """The saved list of the tab ``key``: the ``LIST_LIMIT`` last used of the conversations its search finds,
         its label saying how many there are; ``value`` (else the tab's conversation) chosen where listed, or with
-        ``keep`` the page's choice left as it is (a reply's end: a conversation chosen while it streamed stays)."""
+        ``keep`` the page's choice left as it is (a reply's end, a settings change: a conversation chosen stays)."""
         store, search = self.manager.store, self.searches.get(key, "")
         choices = []
         for c in store.conversations(search, limit=LIST_LIMIT):
