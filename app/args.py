@@ -238,6 +238,24 @@ def db_path(arg: str | None) -> Path:
     return Path(arg).expanduser() if arg else kvchat_home() / "kvchat.db"
 
 
+def check_resume(args) -> None:
+    """A ``--resume`` that cannot open, refused before the model loads (seconds): no such conversation in the
+    database, or one another process has open. Opening it checks both again."""
+    if args.resume is None:
+        return
+    from ..storage import holding
+    from ..storage.db import Store
+
+    path = db_path(args.db)
+    if not path.is_file():  # not made here: a typo in --db leaves no empty database behind
+        raise CLIError(f"no conversation {args.resume} in {path}")
+    store = Store(path)
+    conv = store.conversation(args.resume)
+    folder = store.archive_folder(conv["archive"]) if conv.get("archive") else None
+    if folder is not None:
+        holding.check(folder, f"conversation {args.resume}")
+
+
 def prepare(args, check_settings: bool = True):
     """What chat, replay and serve do first: check the cache and sampling flags (what can be checked before the
     model loads), load the model (``load``) and, with ``check_settings``, check the cache settings against it.

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS
 from ..policies import POLICIES, Param
-from .args import CLIError, build_parser, db_path, load, prepare, resumed_changes, settings_text
+from .args import CLIError, build_parser, check_resume, db_path, load, prepare, resumed_changes, settings_text
 
 EXIT_USAGE = 2
 
@@ -119,6 +119,7 @@ def cmd_replay(args) -> int:
     if args.resume is not None and (len(scripts) != 1 or args.no_save):
         raise CLIError("--resume continues one stored conversation: give one script of one conversation, "
                        "without --no-save")
+    check_resume(args)
     settings, sampling, model = prepare(args, check_settings=args.resume is None)  # resumed: checked as applied
     store = None if args.no_save else Store(db_path(args.db))
     done = 0

@@ -11,7 +11,7 @@ import time
 from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS, SETTINGS
 from ..core.engine.turns import ReadStopped, TurnResult
 from ..policies import POLICIES, declared_params
-from .args import CLIError, db_path, parse_setting, prepare, resumed_changes, settings_text
+from .args import CLIError, check_resume, db_path, parse_setting, prepare, resumed_changes, settings_text
 
 
 class Reading:
@@ -216,11 +216,12 @@ def _line_editing() -> None:
 
 
 def cmd_chat(args) -> int:
+    if args.resume is not None and args.system is not None:
+        raise CLIError("--system starts a new conversation; a resumed one keeps its own system prompt")
+    check_resume(args)
     from ..core.engine.session import Session
     from ..storage.db import Store
 
-    if args.resume is not None and args.system is not None:
-        raise CLIError("--system starts a new conversation; a resumed one keeps its own system prompt")
     # A resumed conversation keeps its stored settings but for the cache flags given, applied to them once it is
     # open (as /policy and /set would): they are checked then, against the model, in that combination.
     settings, sampling, model = prepare(args, check_settings=args.resume is None)

@@ -7,7 +7,8 @@ process that opens a stored conversation holds an exclusive lock on a file in it
 and kvchat command inside) until it closes it; the system releases the lock when the process dies, however it dies,
 so a crash leaves nothing to clear. Another process's open, delete or rename of that conversation is refused in one
 line, naming the holder. Within one process, opening the conversation again is not refused (the web UI moves a
-conversation between tabs, and ``app/sessions.py`` keeps it to one tab): holds are counted per folder.
+conversation between tabs, and ``app/sessions.py`` keeps it to one tab): holds are counted per folder. ``check``
+refuses alike before a slow start (``--resume``, before the model loads), holding nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
 try:
@@ -47,7 +49,7 @@ def hold(folder: Path, what: str) -> None:
             return
         fd = os.open(Path(folder) / NAME, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _lock_waiting_out_checks(fd)
         except BlockingIOError:
             os.close(fd)
             raise HeldElsewhere(_refusal(folder, what)) from None
@@ -60,6 +62,39 @@ def hold(folder: Path, what: str) -> None:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n{_command()}\n".encode())
         _held[key] = [fd, 1]
+
+
+def check(folder: Path, what: str) -> None:
+    """``HeldElsewhere`` if another process holds ``folder`` now, holding nothing and writing nothing: a refusal
+    before a slow start (a model's load), which ``hold`` makes again. It locks the file for a moment, which ``hold``
+    waits out."""
+    path = Path(folder) / NAME
+    if fcntl is None or not path.is_file():
+        return
+    with _lock:
+        if str(Path(folder).resolve()) in _held:
+            return
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise HeldElsewhere(_refusal(folder, what)) from None
+        except OSError:  # a file system without locks: ``hold`` warns
+            pass
+        finally:
+            os.close(fd)  # and with it the lock
+
+
+def _lock_waiting_out_checks(fd: int) -> None:
+    """The exclusive lock on ``fd``, or BlockingIOError; another process's ``check`` holds it for microseconds."""
+    for tries_left in (2, 1, 0):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if not tries_left:
+                raise
+            time.sleep(0.05)
 
 
 @contextlib.contextmanager

@@ -547,6 +547,10 @@ def test_a_conversation_open_in_one_process_is_refused_to_another(model_dir, tmp
                              _run(capsys, "replay", tmp_path / "s.jsonl", "--model", model_dir, "--db", db,
                                   "--resume", cid)]:
             assert code == 2 and refusal in err, err
+        for command in ("chat", "replay"):  # refused before a model loads: this one would not
+            code, _, err = _run(capsys, command, *([tmp_path / "s.jsonl"] if command == "replay" else []), "--model",
+                                "./does/not/exist", "--db", db, "--resume", cid)
+            assert code == 2 and refusal in err and "loading" not in err, err
         out, err = first.communicate("And you?\n", timeout=120)  # the holder's turn goes on and is stored
         assert first.returncode == 0, err
     finally:
@@ -560,6 +564,20 @@ def test_a_conversation_open_in_one_process_is_refused_to_another(model_dir, tmp
     second.wait()
     code, _, err = _run(capsys, "conversations", "delete", cid, "--db", db)
     assert code == 0 and Store(db).conversations() == [], err
+
+
+def test_a_resume_of_no_stored_conversation_is_refused_before_the_model_loads(tmp_path, capsys):
+    """A mistyped id or --db: the one-line error at once, not after the model's load (seconds), and no empty
+    database left where --db named none."""
+    script = _write(tmp_path / "s.jsonl", SCRIPT[1:2])
+    Store(tmp_path / "kv.db").conversations()  # a database without conversations
+    for db in (tmp_path / "kv.db", tmp_path / "typo.db"):
+        for command in ("chat", "replay"):
+            code, _, err = _run(capsys, command, *([script] if command == "replay" else []), "--model",
+                                "./does/not/exist", "--db", db, "--resume", 3)
+            lines = [x for x in err.splitlines() if x.startswith("kvchat: error:")]
+            assert code == 2 and lines == [f"kvchat: error: no conversation 3 in {db}"] and "loading" not in err, err
+    assert not (tmp_path / "typo.db").exists()
 
 
 def test_console_script_is_installed():

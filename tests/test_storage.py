@@ -1,6 +1,7 @@
 """SQLite storage: one transaction per turn, nothing half-written, conversations resumed with their cache."""
 
 import json
+import os
 import sqlite3
 import subprocess
 import sys
@@ -265,7 +266,30 @@ def test_a_refusal_names_the_kvchat_command_that_holds_the_conversation(tmp_path
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(holding.HeldElsewhere) as refused:
             holding.hold(tmp_path, "conversation 4")
+        with pytest.raises(holding.HeldElsewhere) as checked:  # the check before a model loads
+            holding.check(tmp_path, "conversation 4")
     finally:
         holder.communicate("", timeout=60)
     assert str(refused.value) == (f"conversation 4 is open in another kvchat process (pid {holder.pid}, `kvchat "
                                   "serve`); open another conversation in its browser tab or close the tab")
+    assert str(checked.value) == str(refused.value)
+
+
+def test_a_check_holds_nothing_and_a_hold_waits_out_a_checks_moment(tmp_path):
+    """``check`` (``kvchat chat --resume`` before the model loads) leaves the conversation unheld and its file as
+    it was; a hold made while another process's check has the file locked for its moment waits it out."""
+    import fcntl
+    import threading
+
+    from kvchat.storage import holding
+
+    holding.check(tmp_path, "conversation 5")  # never held: no file to check
+    assert not (tmp_path / "held").exists()
+    (tmp_path / "held").write_text("123\nkvchat chat\n")  # a holder that has ended
+    holding.check(tmp_path, "conversation 5")
+    assert (tmp_path / "held").read_text() == "123\nkvchat chat\n" and _other_process_can_hold(tmp_path)
+    fd = os.open(tmp_path / "held", os.O_RDONLY)  # a check's moment, from another open file
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    threading.Timer(0.02, os.close, [fd]).start()
+    holding.hold(tmp_path, "conversation 5")
+    holding.release(tmp_path)
