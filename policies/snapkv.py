@@ -18,7 +18,8 @@ class SnapKV(Policy):
     summary = "The last queries' attention, pooled over neighbours, picks the positions each head keeps."
     params = (
         OBS_WINDOW,
-        Param("kernel", int, 7, "pooling width over neighbouring positions (odd: an even one pools one more)", min=1, max=63),
+        Param("kernel", int, 7, "pooling width over neighbouring positions (odd: an even one pools one more)",
+              min=1, max=63),
         Param("pool", str, "max", "pooling of the votes", choices=("max", "avg")),
     )
     observes = frozenset({"window"})
