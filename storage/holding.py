@@ -66,8 +66,8 @@ def hold(folder: Path, what: str) -> None:
 
 def check(folder: Path, what: str) -> None:
     """``HeldElsewhere`` if another process holds ``folder`` now, holding nothing and writing nothing: a refusal
-    before a slow start (a model's load), which ``hold`` makes again. It locks the file for a moment, which ``hold``
-    waits out."""
+    before a slow start (a model's load), which ``hold`` makes again. It takes a shared lock for a moment (two
+    checks at once both pass), which ``hold`` waits out."""
     path = Path(folder) / NAME
     if fcntl is None or not path.is_file():
         return
@@ -76,7 +76,7 @@ def check(folder: Path, what: str) -> None:
             return
         fd = os.open(path, os.O_RDONLY)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             raise HeldElsewhere(_refusal(folder, what)) from None
         except OSError:  # a file system without locks: ``hold`` warns

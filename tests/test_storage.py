@@ -289,7 +289,8 @@ def test_a_check_holds_nothing_and_a_hold_waits_out_a_checks_moment(tmp_path):
     holding.check(tmp_path, "conversation 5")
     assert (tmp_path / "held").read_text() == "123\nkvchat chat\n" and _other_process_can_hold(tmp_path)
     fd = os.open(tmp_path / "held", os.O_RDONLY)  # a check's moment, from another open file
-    fcntl.flock(fd, fcntl.LOCK_EX)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    holding.check(tmp_path, "conversation 5")  # another check at the same moment passes
     threading.Timer(0.02, os.close, [fd]).start()
     holding.hold(tmp_path, "conversation 5")
     holding.release(tmp_path)
