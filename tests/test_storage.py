@@ -275,11 +275,10 @@ def test_a_refusal_names_the_kvchat_command_that_holds_the_conversation(tmp_path
     assert str(checked.value) == str(refused.value)
 
 
-def test_a_check_holds_nothing_and_a_hold_waits_out_a_checks_moment(tmp_path):
+def test_a_check_holds_nothing_and_a_hold_waits_out_a_checks_moment(tmp_path, monkeypatch):
     """``check`` (``kvchat chat --resume`` before the model loads) leaves the conversation unheld and its file as
     it was; a hold made while another process's check has the file locked for its moment waits it out."""
     import fcntl
-    import threading
 
     from kvchat.storage import holding
 
@@ -291,6 +290,14 @@ def test_a_check_holds_nothing_and_a_hold_waits_out_a_checks_moment(tmp_path):
     fd = os.open(tmp_path / "held", os.O_RDONLY)  # a check's moment, from another open file
     fcntl.flock(fd, fcntl.LOCK_SH)
     holding.check(tmp_path, "conversation 5")  # another check at the same moment passes
-    threading.Timer(0.02, os.close, [fd]).start()
+    waits = []
+
+    def moment_ends(seconds):  # the check's moment ends while the hold waits (a timer thread ran late under load)
+        waits.append(seconds)
+        if len(waits) == 1:
+            os.close(fd)
+
+    monkeypatch.setattr(holding.time, "sleep", moment_ends)
     holding.hold(tmp_path, "conversation 5")
     holding.release(tmp_path)
+    assert len(waits) == 1
