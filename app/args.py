@@ -243,17 +243,12 @@ def check_resume(args) -> None:
     database, or one another process has open. Opening it checks both again."""
     if args.resume is None:
         return
-    from ..storage import holding
     from ..storage.db import Store
 
     path = db_path(args.db)
     if not path.is_file():  # not made here: a typo in --db leaves no empty database behind
         raise CLIError(f"no conversation {args.resume} in {path}")
-    store = Store(path)
-    conv = store.conversation(args.resume)
-    folder = store.archive_folder(conv["archive"]) if conv.get("archive") else None
-    if folder is not None:
-        holding.check(folder, f"conversation {args.resume}")
+    Store(path).check_openable(args.resume)
 
 
 def prepare(args, check_settings: bool = True):

@@ -196,13 +196,23 @@ class Store:
         with self._held(row), self._writing():  # refused while another process has it open: it would write its title
             self.db.table("conversations").update(conversation_id, {"title": title.strip()})
 
+    def check_openable(self, conversation_id: int) -> None:
+        """ValueError if conversation ``conversation_id`` is not stored here or another process has it open, holding
+        nothing (``holding.check``: a refusal before a slow start; opening it checks again)."""
+        row = self.conversation(conversation_id)
+        if (folder := self._folder(row)) is not None:
+            holding.check(folder, f"conversation {row['id']}")
+
     def _held(self, row: dict):
         """Conversation ``row`` held by this process for a block (storage/holding.py): ValueError if another process
         has it open."""
+        folder = self._folder(row)
+        return contextlib.nullcontext() if folder is None else holding.held(folder, f"conversation {row['id']}")
+
+    def _folder(self, row: dict) -> Path | None:
+        """Conversation ``row``'s folder, where it has one on disk (one that has none yet is held by no process)."""
         folder = self.archive_folder(row["archive"]) if row.get("archive") else None
-        if folder is None or not folder.is_dir():
-            return contextlib.nullcontext()
-        return holding.held(folder, f"conversation {row['id']}")
+        return folder if folder is not None and folder.is_dir() else None
 
     def archive_folder(self, name: str) -> Path:
         """The folder a conversation keeps beside the database: its cache's rows, state file and recall's digests."""
