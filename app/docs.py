@@ -10,6 +10,7 @@ from the code.
 from __future__ import annotations
 
 import argparse
+import inspect
 import re
 import sys
 from pathlib import Path
@@ -66,12 +67,18 @@ def _meaning(p: Param) -> str:
     return p.help + choices
 
 
+def _file(cls: type) -> str:
+    """The file defining ``cls``, relative to the repository's root (README.md's folder)."""
+    return Path(inspect.getfile(cls)).resolve().relative_to(ROOT).as_posix()
+
+
 def policy_table() -> str:
-    """One row per registered policy: its name, what it keeps (its summary), its parameters with defaults."""
+    """One row per registered policy: its name, linked to the file that holds its rule, what it keeps (its summary),
+    its parameters with defaults."""
     rows = ["| policy | keeps | parameters |", "| --- | --- | --- |"]
     for name, cls in POLICIES.items():
         params = ", ".join(f"`{p.flag} {p.shown_default}`" for p in cls.params) or "–"
-        rows.append(f"| `{name}` | {_cell(cls.summary)} | {_cell(params)} |")
+        rows.append(f"| [`{name}`]({_file(cls)}) | {_cell(cls.summary)} | {_cell(params)} |")
     return "\n".join(rows)
 
 

@@ -61,7 +61,9 @@ def test_the_tables_cover_every_declaration():
     for p in (*CACHE_SETTINGS, *SAMPLING_SETTINGS):
         assert f"| `{p.flag}` | " in flags
     for name, cls in POLICIES.items():
-        assert f"| `{name}` | {cls.summary}" in policies
+        link = re.search(rf"\| \[`{name}`\]\(([^)]+)\) \| {re.escape(cls.summary)}", policies)
+        assert link, f"{name}'s row does not link to its file"
+        assert f"class {cls.__name__}(" in (REPO / link[1]).read_text(encoding="utf-8")  # its rule, one click away
         for p in cls.params:
             assert f"`{p.flag} {p.shown_default}`" in policies
 

@@ -1,9 +1,11 @@
 """The package's shape, as a newcomer relies on it: imports point one way (app -> bench -> engine -> policies /
-storage), no import circles between modules, no module over 400 lines, C++ in .cpp files."""
+storage), no import circles between modules, no module over 400 lines, C++ in .cpp files; docs/architecture.md's map
+names every module, and the documents' links lead somewhere."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,3 +133,63 @@ def test_the_checks_see_a_circle_and_a_wrong_arrow(tmp_path, monkeypatch):
         assert "storage.db imports core.engine.session" in str(exc)
     else:
         raise AssertionError("a storage module importing the engine was not caught")
+
+
+def _map_gaps(architecture: str, readme: str) -> list[str]:
+    """What docs/architecture.md's map leaves out: a folder of modules with no section of its own, a module its
+    folder's section does not name (a policy's own module is named by the README's policies table instead)."""
+    sections = dict(re.findall(r"^## `([\w/]+)/`[^\n]*\n(.*?)(?=^## |\Z)", architecture, flags=re.M | re.S))
+    gaps = []
+    for folder in sorted({p.parent for p in _modules().values()}):
+        rel = folder.relative_to(ROOT).as_posix()
+        modules = [p for p in sorted(folder.glob("*.py")) if p.name != "__init__.py"]
+        if modules and rel not in sections:
+            gaps.append(f"{rel}/ has no section")
+        for path in modules if rel in sections else ():
+            own_policy = rel == "policies" and re.search(r"^@register$", path.read_text(), flags=re.M)
+            named = f"({rel}/{path.name})" in readme if own_policy else f"`{path.name}`" in sections[rel]
+            if not named:
+                gaps.append(f"{rel}/{path.name} is not named")
+    return gaps
+
+
+def _slug(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _broken_links(files: list[Path]) -> list[str]:
+    """Relative links in ``files`` to a file that does not exist, or to a heading a Markdown file does not have."""
+    broken = []
+    for doc in files:
+        text = re.sub(r"```.*?```", "", doc.read_text(encoding="utf-8"), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (doc.parent / path) if path else doc
+            headings = re.findall(r"^#+ (.*)$", dest.read_text(encoding="utf-8"), flags=re.M) \
+                if dest.suffix == ".md" and dest.is_file() else []
+            if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in map(_slug, headings)):
+                broken.append(f"{doc.name}: {target}")
+    return broken
+
+
+def test_the_map_names_every_module():
+    """A newcomer finds every module in docs/architecture.md, under its folder (a policy: in the README's table)."""
+    architecture = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    gaps = _map_gaps(architecture, readme)
+    assert not gaps, "docs/architecture.md leaves out:\n" + "\n".join(gaps)
+    assert _map_gaps(architecture.replace("`db.py`", "`database.py`"), readme) == ["storage/db.py is not named"]
+    assert _map_gaps(architecture, readme.replace("(policies/h2o.py)", "")) == ["policies/h2o.py is not named"]
+
+
+def test_the_documents_links_lead_somewhere(tmp_path):
+    """Every relative link in README.md and docs/ names a file that exists, and a heading it has."""
+    broken = _broken_links([ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    assert not broken, "links that lead nowhere:\n" + "\n".join(broken)
+    (tmp_path / "here.md").write_text("# Here, at last\n", encoding="utf-8")
+    probe = tmp_path / "probe.md"
+    links = "[a](gone.md) [b](here.md#nowhere) [c](here.md#here-at-last) [d](https://x.org/)"
+    probe.write_text(links, encoding="utf-8")
+    assert _broken_links([probe]) == ["probe.md: gone.md", "probe.md: here.md#nowhere"]
