@@ -21,8 +21,9 @@ class CLIError(ValueError):
 
 def _model_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model")
-    g.add_argument("--model", default="default",
-                   help="Hugging Face id, local directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--model", default=None,
+                   help="Hugging Face id, local directory or .gguf file (default: with --resume, the model that held "
+                        "the conversation; else SmolLM2-135M-Instruct)")
     g.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps")
     g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
     g.add_argument("--weights", default="auto", choices=WEIGHTS,
@@ -240,15 +241,22 @@ def db_path(arg: str | None) -> Path:
 
 def check_resume(args) -> None:
     """A ``--resume`` that cannot open, refused before the model loads (seconds): no such conversation in the
-    database, or one another process has open. Opening it checks both again."""
+    database, one another process has open, or a ``--model`` other than the one that held it. Without ``--model`` it
+    takes that model. Opening it checks all three again."""
     if args.resume is None:
         return
+    from ..core.model.names import model_name
     from ..storage.db import Store
 
     path = db_path(args.db)
     if not path.is_file():  # not made here: a typo in --db leaves no empty database behind
         raise CLIError(f"no conversation {args.resume} in {path}")
-    Store(path).check_openable(args.resume)
+    own = Store(path).check_openable(args.resume)["model"]
+    if args.model is None:
+        args.model = own
+    elif model_name(args.model) != own:
+        raise CLIError(f"conversation {args.resume} was held by model {own}, not {model_name(args.model)} "
+                       "(without --model it resumes with its own)")
 
 
 def prepare(args, check_settings: bool = True):
@@ -269,10 +277,13 @@ def load(args):
     defaults. Returns (sampling, model)."""
     given = sampling_from_args(args)
     Sampling().changed(**given)
-    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    from ..core.model.names import DEFAULT_MODEL
+
+    spec = DEFAULT_MODEL if args.model is None else args.model
+    print(f"loading {spec} ...", file=sys.stderr, flush=True)
     from ..core.model.loading import load_model
 
-    model = load_model(args.model, device=args.device, dtype=args.dtype, device_map=args.device_map,
+    model = load_model(spec, device=args.device, dtype=args.dtype, device_map=args.device_map,
                        chat_template=args.chat_template, weights=args.weights,
                        decode=args.decode)
     return Sampling.for_model(model, **given), model

@@ -25,7 +25,9 @@ USAGE = ROOT / "docs" / "usage.md"
 #: Flags of chat, replay and serve that are not engine settings: (flag, default, meaning).
 OTHER_FLAGS = (
     ("`--seed`", "0", "seed of the sampler"),
-    ("`--model`", "default", "Hugging Face id, local directory or `.gguf` file"),
+    ("`--model`", "default",
+     "Hugging Face id, local directory or `.gguf` file; with `--resume`, the model that held the conversation unless "
+     "given"),
     ("`--device`, `--dtype`, `--device-map`", "auto",
      "cuda > mps > cpu; bf16 on CUDA, fp32 on CPU; `--device-map auto` spreads big models (accelerate)"),
     ("`--weights`", "auto",

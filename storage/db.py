@@ -196,12 +196,13 @@ class Store:
         with self._held(row), self._writing():  # refused while another process has it open: it would write its title
             self.db.table("conversations").update(conversation_id, {"title": title.strip()})
 
-    def check_openable(self, conversation_id: int) -> None:
-        """ValueError if conversation ``conversation_id`` is not stored here or another process has it open, holding
-        nothing (``holding.check``: a refusal before a slow start; opening it checks again)."""
+    def check_openable(self, conversation_id: int) -> dict:
+        """Conversation ``conversation_id``'s row; ValueError if it is not stored here or another process has it open,
+        holding nothing (``holding.check``: a refusal before a slow start; opening it checks again)."""
         row = self.conversation(conversation_id)
         if (folder := self._folder(row)) is not None:
             holding.check(folder, f"conversation {row['id']}")
+        return row
 
     def _held(self, row: dict):
         """Conversation ``row`` held by this process for a block (storage/holding.py): ValueError if another process

@@ -580,6 +580,28 @@ def test_a_resume_of_no_stored_conversation_is_refused_before_the_model_loads(tm
     assert not (tmp_path / "typo.db").exists()
 
 
+def test_a_resume_takes_the_conversations_own_model_and_refuses_another_before_loading(model_dir, tmp_path, capsys,
+                                                                                         monkeypatch):
+    """``--resume`` without ``--model`` reopens with the model that held the conversation (it loaded the default
+    model, then refused); a ``--model`` naming another is refused at once, not after loading it."""
+    db = tmp_path / "kv.db"
+    script = _write(tmp_path / "s.jsonl", SCRIPT[:2])
+    code, _, err = _run(capsys, "replay", script, "--model", model_dir, "--db", db, "--budget", 64,
+                        "--max-new-tokens", 3, "--json")
+    assert code == 0, err
+    cid = Store(db).conversations()[0]["id"]
+    held = len(Store(db).messages(cid))
+    monkeypatch.setattr("sys.stdin", io.StringIO("One more\n/quit\n"))
+    code, out, err = _run(capsys, "chat", "--db", db, "--resume", cid, "--max-new-tokens", 3)
+    assert code == 0 and f"loading {model_dir} ..." in err and out.count("bot> ") == 1, err
+    for command in ("chat", "replay"):
+        code, _, err = _run(capsys, command, *([script] if command == "replay" else []), "--model", "./other",
+                            "--db", db, "--resume", cid)
+        assert code == 2 and f"conversation {cid} was held by model {model_dir}, not ./other" in err, err
+        assert "loading" not in err
+    assert len(Store(db).messages(cid)) == held + 2
+
+
 def test_console_script_is_installed():
     script = Path(sys.executable).parent / "kvchat"  # the environment's console script, not whatever is on PATH
     proc = subprocess.run([str(script), "--version"], capture_output=True, text=True, timeout=120)

