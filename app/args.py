@@ -245,7 +245,7 @@ def check_resume(args) -> None:
     takes that model. Opening it checks all three again."""
     if args.resume is None:
         return
-    from ..core.model.names import model_name
+    from ..core.model.names import check_held_by
     from ..storage.db import Store
 
     path = db_path(args.db)
@@ -254,9 +254,8 @@ def check_resume(args) -> None:
     own = Store(path).check_openable(args.resume)["model"]
     if args.model is None:
         args.model = own
-    elif model_name(args.model) != own:
-        raise CLIError(f"conversation {args.resume} was held by model {own}, not {model_name(args.model)} "
-                       "(without --model it resumes with its own)")
+    else:
+        check_held_by(args.resume, own, args.model)
 
 
 def prepare(args, check_settings: bool = True):

@@ -25,6 +25,7 @@ from ...storage import statefile
 from ...storage.legacy import LegacyArchive
 from ..recall.digest import Digests
 from ..cache import compress
+from ..model.names import check_held_by
 from . import persist
 from .settings import Settings
 from .turns import TurnResult
@@ -33,8 +34,7 @@ from .turns import TurnResult
 def resume(cls, model, store, conversation_id: int, exact: bool = True, sampling=None, undo: bool = False):
     """Reopen stored conversation ``conversation_id`` as a ``cls`` session (see ``Session.resume``)."""
     conv = store.conversation(conversation_id)
-    if conv["model"] != model.name:
-        raise ValueError(f"conversation {conversation_id} was held by model {conv['model']}, not {model.name}")
+    check_held_by(conversation_id, conv["model"], model.name)
     settings = Settings.from_dict(conv["settings"])
     folder = store.archive_folder(conv["archive"]) if conv.get("archive") else None
     later = _later_settings(folder, conv["next_turn"], settings) if exact else None
