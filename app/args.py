@@ -19,11 +19,11 @@ class CLIError(ValueError):
     pass
 
 
-def _model_args(parser: argparse.ArgumentParser) -> None:
+def _model_args(parser: argparse.ArgumentParser, resumes: bool = True) -> None:
     g = parser.add_argument_group("model")
+    default = "with --resume, the model that held the conversation; else " if resumes else ""
     g.add_argument("--model", default=None,
-                   help="Hugging Face id, local directory or .gguf file (default: with --resume, the model that held "
-                        "the conversation; else SmolLM2-135M-Instruct)")
+                   help=f"Hugging Face id, local directory or .gguf file (default: {default}SmolLM2-135M-Instruct)")
     g.add_argument("--device", default="auto", help="auto (cuda > mps > cpu), cpu, cuda, cuda:1, mps")
     g.add_argument("--dtype", default="auto", help="auto (bf16 on CUDA, fp32 on CPU), float32, bfloat16, float16")
     g.add_argument("--weights", default="auto", choices=WEIGHTS,
@@ -196,7 +196,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                              "the same as the first entry's, speed; nothing is stored")
 
     serve = sub.add_parser("serve", help="the web UI (Gradio) on http://127.0.0.1:7860")
-    _model_args(serve)
+    _model_args(serve, resumes=False)
     _cache_args(serve)
     _sampling_args(serve)
     g = serve.add_argument_group("server")
@@ -276,9 +276,10 @@ def load(args):
     defaults. Returns (sampling, model)."""
     given = sampling_from_args(args)
     Sampling().changed(**given)
-    from ..core.model.names import DEFAULT_MODEL
+    from ..core.model.names import DEFAULT_MODEL, local_model
 
     spec = DEFAULT_MODEL if args.model is None else args.model
+    local_model(spec)  # a mistyped path: refused in one line, not after "loading"
     print(f"loading {spec} ...", file=sys.stderr, flush=True)
     from ..core.model.loading import load_model
 

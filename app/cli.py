@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS
+from ..core.model.names import local_model
 from ..policies import POLICIES, Param
 from .args import CLIError, build_parser, check_resume, db_path, load, prepare, resumed_changes, settings_text
 
@@ -289,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() \
         else None
     try:
+        if getattr(args, "model", None) is not None and getattr(args, "resume", None) is None:
+            local_model(args.model)  # a mistyped path, refused before the command's imports (seconds); load() again
         return commands[args.command](args)
     except (ValueError, OSError, sqlite3.Error) as exc:  # a model that cannot load is a ValueError (ModelError)
         print(f"kvchat: error: {one_line(str(exc))}", file=sys.stderr)

@@ -5,6 +5,7 @@ import json
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -257,10 +258,12 @@ def test_model_errors(no_template_dir, tmp_path, capsys):
     script = _write(tmp_path / "s.jsonl", SCRIPT[1:2])
     code, _, err = _run(capsys, "replay", script, "--model", no_template_dir, "--db", tmp_path / "kv.db")
     assert code == 2 and "no chat template" in err
-    code, _, err = _run(capsys, "replay", script, "--model", "./does/not/exist", "--db", tmp_path / "kv.db")
-    assert code == 2 and "no such model directory" in err
-    code, _, err = _run(capsys, "replay", script, "--model", tmp_path / "missing.gguf", "--db", tmp_path / "kv.db")
-    assert code == 2 and "no such GGUF file" in err
+    for command in ("chat", "replay", "serve"):  # a mistyped path: refused before anything loads
+        for model, message in (("./does/not/exist", "no such model directory"), (tmp_path / "missing.gguf",
+                               "no such GGUF file"), (tmp_path, "is not a model directory (no config.json)")):
+            code, _, err = _run(capsys, command, *([script] if command == "replay" else []), "--model", model,
+                                "--db", tmp_path / "kv.db")
+            assert code == 2 and message in err and "loading" not in err, err
     assert Store(tmp_path / "kv.db").conversations() == [] if (tmp_path / "kv.db").exists() else True
 
 
@@ -547,9 +550,12 @@ def test_a_conversation_open_in_one_process_is_refused_to_another(model_dir, tmp
                              _run(capsys, "replay", tmp_path / "s.jsonl", "--model", model_dir, "--db", db,
                                   "--resume", cid)]:
             assert code == 2 and refusal in err, err
+        broken = tmp_path / "broken"  # a model folder that passes the early look but would not load
+        broken.mkdir()
+        (broken / "config.json").write_text("{}")
         for command in ("chat", "replay"):  # refused before a model loads: this one would not
             code, _, err = _run(capsys, command, *([tmp_path / "s.jsonl"] if command == "replay" else []), "--model",
-                                "./does/not/exist", "--db", db, "--resume", cid)
+                                broken, "--db", db, "--resume", cid)
             assert code == 2 and refusal in err and "loading" not in err, err
         out, err = first.communicate("And you?\n", timeout=120)  # the holder's turn goes on and is stored
         assert first.returncode == 0, err
@@ -600,6 +606,31 @@ def test_a_resume_takes_the_conversations_own_model_and_refuses_another_before_l
         assert code == 2 and f"conversation {cid} was held by model {model_dir}, not ./other" in err, err
         assert "loading" not in err
     assert len(Store(db).messages(cid)) == held + 2
+
+
+def test_a_model_given_by_a_relative_path_resumes_from_another_folder(model_dir, tmp_path, capsys, monkeypatch):
+    """A conversation stores the absolute path of a local ``--model`` (it stored ``./tiny``, which only its own folder
+    could load): it resumes from elsewhere without ``--model``, or with the same model named by another path."""
+    db = tmp_path / "kv.db"
+    script = _write(tmp_path / "s.jsonl", SCRIPT[1:2])
+    monkeypatch.chdir(model_dir.parent)
+    code, _, err = _run(capsys, "replay", script, "--model", f"./{model_dir.name}", "--db", db, "--budget", 64,
+                        "--max-new-tokens", 3, "--json")
+    assert code == 0, err
+    cid = Store(db).conversations()[0]["id"]
+    assert Store(db).conversation(cid)["model"] == str(model_dir)
+    monkeypatch.chdir(tmp_path)
+    for model in ([], ["--model", model_dir], ["--model", os.path.relpath(model_dir)]):
+        monkeypatch.setattr("sys.stdin", io.StringIO("One more\n/quit\n"))
+        code, out, err = _run(capsys, "chat", "--db", db, "--resume", cid, "--max-new-tokens", 3, *model)
+        assert code == 0 and out.count("bot> ") == 1, err
+    with sqlite3.connect(db) as con:  # as an older kvchat stored it: resumes from its own folder, by either path
+        con.execute("UPDATE conversations SET model = ? WHERE id = ?", (f"./{model_dir.name}", cid))
+    monkeypatch.chdir(model_dir.parent)
+    for model in ([], ["--model", model_dir]):
+        monkeypatch.setattr("sys.stdin", io.StringIO("One more\n/quit\n"))
+        code, out, err = _run(capsys, "chat", "--db", db, "--resume", cid, "--max-new-tokens", 3, *model)
+        assert code == 0 and out.count("bot> ") == 1, err
 
 
 def test_console_script_is_installed():

@@ -24,7 +24,7 @@ from .. import decode as decode_steps
 from ..decode import weights as weight_formats
 from ..cache.positions import Rotary
 from ..decode.eager import DecodeStep
-from .names import DEFAULT_MODEL, DEFAULT_MODEL_NAME, model_name
+from .names import DEFAULT_MODEL, DEFAULT_MODEL_NAME, local_model, model_name
 from .template import ChatFormat, scaffolding
 from ...storage.files import kvchat_home
 
@@ -98,18 +98,14 @@ def resolve(spec: str) -> Path | str:
     """A local directory for ``spec``, converting GGUF files once; hub ids are returned unchanged."""
     if spec in (DEFAULT_MODEL, DEFAULT_MODEL_NAME):
         return default_model_dir()
-    path = Path(spec).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ModelError(f"no such GGUF file: {spec}")
-        return _convert_gguf_cached(path)
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise ModelError(f"{spec} is not a model directory (no config.json)")
-        return path
-    if spec.startswith((".", "/", "~")) or spec.count("/") > 1:
-        raise ModelError(f"no such model directory: {spec}")
-    return spec  # a Hugging Face hub id
+    try:
+        local = local_model(spec)
+    except ValueError as exc:
+        raise ModelError(str(exc)) from None
+    if local is None:
+        return spec  # a Hugging Face hub id
+    path = Path(local)
+    return _convert_gguf_cached(path) if path.suffix == ".gguf" else path
 
 
 def _convert_gguf_cached(path: Path) -> Path:
