@@ -212,4 +212,4 @@ class Layout:
                           show_progress="hidden")
         side.rename.click(self.rename, [side.conversations, side.title], [side.conversations, status, side.title])
         side.delete.click(self.delete, [side.conversations], views)
-        side.export.click(self.export, [side.conversations], [side.export_file, status])
+        side.export.click(self.export, [side.conversations], [side.export_file, status, side.conversations])

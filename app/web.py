@@ -117,8 +117,18 @@ class WebApp(Layout, Chatting):
         return [chat_messages(entry.session), self._charts(entry), self._head_map(entry), cache_view(entry.session),
                 self._conversations(key, entry), status, self._info(key, entry)]
 
-    def _blank(self, status: str) -> list:
-        return [gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), _error(status), gr.skip()]
+    def _blank(self, status: str, conversations=None) -> list:
+        return [gr.skip(), gr.skip(), gr.skip(), gr.skip(), conversations or gr.skip(), _error(status), gr.skip()]
+
+    def _list_after_error(self, key: str, conversation_id):
+        """After an error about the chosen conversation: the tab's list drawn again, its choice cleared, where that
+        conversation is no longer saved (deleted in another tab or by ``kvchat conversations delete``); else left."""
+        try:
+            if conversation_id is not None:
+                self.manager.store.conversation(int(conversation_id))
+        except USER_ERRORS:
+            return self._conversations(key)
+        return gr.skip()
 
     # -- handlers ---------------------------------------------------------------------------------------------------
     def load(self, request: gr.Request):
@@ -229,7 +239,7 @@ class WebApp(Layout, Chatting):
             entry = self.manager.open(key, int(conversation_id))
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
-            return self._blank(str(exc)) + [gr.skip()] * self.n_settings
+            return self._blank(str(exc), self._list_after_error(key, conversation_id)) + [gr.skip()] * self.n_settings
         how = {"archive": "restored exactly as its last turn left it",
                "tokens": "rebuilt from the tokens it kept"}.get(entry.session.restored_from, "")
         entry.said = f"opened conversation #{conversation_id}; its cache was {how}" if how else ""
@@ -245,7 +255,7 @@ class WebApp(Layout, Chatting):
                 self.manager.get(holder).session.title = title.strip()
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
-            return gr.skip(), _error(str(exc)), gr.skip()
+            return self._list_after_error(request.session_hash, conversation_id), _error(str(exc)), gr.skip()
         return (self._conversations(request.session_hash, value=int(conversation_id)),
                 f"renamed conversation #{conversation_id}", "")
 
@@ -266,21 +276,22 @@ class WebApp(Layout, Chatting):
                 entry = self._entry(key)
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
-            return self._blank(str(exc))
+            return self._blank(str(exc), self._list_after_error(key, conversation_id))
         return self._all(key, entry, f"deleted conversation #{conversation_id}")
 
-    def export(self, conversation_id):
+    def export(self, conversation_id, request: gr.Request):
         try:
             if conversation_id is None:
                 raise ValueError("choose a conversation in the list first")
             lines = self.manager.store.export_replay(int(conversation_id))
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
-            return gr.update(visible=False), _error(str(exc))
+            return (gr.update(visible=False), _error(str(exc)),
+                    self._list_after_error(request.session_hash, conversation_id))
         path = self.export_dir / f"conversation-{int(conversation_id)}.jsonl"
         path.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines), encoding="utf-8")
         return (gr.update(value=str(path), visible=True),
-                f"exported conversation #{conversation_id}: replay it with `kvchat replay {path.name}`")
+                f"exported conversation #{conversation_id}: replay it with `kvchat replay {path.name}`", gr.skip())
 
 
 def serve(manager: SessionManager, model_name: str, host: str = "127.0.0.1", port: int = 7860,

@@ -360,6 +360,30 @@ def test_a_conversation_another_process_has_open_is_refused_in_the_page(web):
     assert "opened conversation" in web.open_conversation(cid, _Request("b"))[5]
 
 
+def test_a_choice_deleted_elsewhere_is_an_error_that_draws_the_list_again(web):
+    """A conversation deleted in another tab (or by ``kvchat conversations delete``) while this tab still shows it
+    in its list: Open, Rename, Delete and Export say it is not there and draw the list again without it, the choice
+    cleared; an error about a conversation still saved leaves the list as it is."""
+    gone, kept = web.manager.entry("a").session, web.manager.entry("b").session
+    _chat(gone, turns=1)
+    _chat(kept, turns=1)
+    cid = gone.conversation_id
+    web.manager.release("a")
+    web.manager.store.delete(cid)
+    missing = f"no conversation {cid} in "
+    results = {"open": web.open_conversation(cid, _Request("c")), "delete": web.delete(cid, _Request("c")),
+               "rename": web.rename(cid, "New title", _Request("c")), "export": web.export(cid, _Request("c"))}
+    for name, out in results.items():
+        at_list, at_status = {"rename": (0, 1), "export": (2, 1)}.get(name, (4, 5))  # where each handler puts them
+        listed, status = out[at_list], out[at_status]
+        assert missing in status, (name, status)
+        assert listed.get("value") is None and [c[1] for c in listed["choices"]] == [kept.conversation_id], name
+    out = web.rename(kept.conversation_id, "  ", _Request("c"))  # refused, the conversation still there
+    assert "title is empty" in out[1] and "choices" not in out[0]
+    out = web.open_conversation(None, _Request("c"))
+    assert "choose a conversation" in out[5] and "choices" not in out[4]
+
+
 def test_full_policy_reserves_the_models_positions(manager):
     full = SETTINGS.changed(policy="full")
     assert manager.reserve(full) == 2 * manager.model.max_positions * manager.per_position_bytes()
