@@ -75,7 +75,7 @@ class Chatting:
             yield [gr.skip(), gr.skip()] + [gr.skip()] * 3 + [gr.skip(), _error(str(exc)), gr.skip()]
             return
         s = entry.session
-        entry.busy = True
+        entry.busy, entry.during_reply = True, []
         shown = chat_messages(s) + [{"role": "user", "content": text}, {"role": "assistant", "content": "▌"}]
         yield [shown, ""] + keep
         answer, last_shown, t0, n, before = "", 0.0, time.perf_counter(), 0, None
@@ -139,7 +139,7 @@ class Chatting:
                   f"; {res.evicted_tokens} evicted"
                   + (f"; {note}" if (note := res.recall_note()) else "")
                   + f"; stopped by {res.stopped}")
-        status = "; ".join([status] + res.warnings)
+        status = "; ".join([status] + res.warnings + [f"during it, {said}" for said in entry.during_reply])
         yield [chat_messages(s), gr.skip(), self._charts(entry), self._head_map(entry), cache_view(s),
                self._conversations(key, entry, keep=True), status, self._info(key, entry)]
 

@@ -36,6 +36,9 @@ class Entry:
     #: the status line New or Open drew for it, set as they end (``after_reply`` draws it again after a stopped
     #: reply's late updates); None before
     said: str | None = None
+    #: what settings changes made while a reply streamed said (their status line, which the reply's later updates
+    #: draw over): repeated in the reply's last status
+    during_reply: list[str] = field(default_factory=list)
 
 
 class SessionManager:

@@ -190,6 +190,8 @@ class WebApp(Layout, Chatting):
             return [gr.skip()] * 6  # the blur after an Enter that already applied the value
         else:
             status = "settings unchanged"
+        if applied and entry.busy:
+            entry.during_reply.append(status)
         s = entry.session
         return [self._charts(entry), self._head_map(entry), cache_view(s), status, self._info(key, entry),
                 self._conversations(key, entry, keep=True) if applied else gr.skip()]
@@ -217,7 +219,10 @@ class WebApp(Layout, Chatting):
         entry.session.sampling = new
         rest = ", ".join(f"{p.name.replace('_', '-')} {getattr(new, p.name)}" for p in SAMPLING_SETTINGS
                          if p.name != "max_new_tokens")
-        return f"generation: up to {new.max_new_tokens} new tokens, {rest}"
+        status = f"generation: up to {new.max_new_tokens} new tokens, {rest}"
+        if entry.busy:
+            entry.during_reply.append(status)
+        return status
 
     def new_conversation(self, system: str, request: gr.Request):
         key = request.session_hash

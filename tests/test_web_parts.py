@@ -462,6 +462,30 @@ def test_the_first_token_goes_to_the_page_without_the_charts(web, monkeypatch):
     assert not isinstance(outs[-1][2], dict)  # the end draws them
 
 
+def test_settings_changed_while_a_reply_streams_are_said_again_at_its_end(web):
+    """A settings or generation change made while a reply streams draws its status line, which the reply's later
+    updates draw over: the reply's last status says it again (it was lost); the next reply's does not."""
+    from kvchat.core.engine.settings import SAMPLING_SETTINGS
+
+    request = _Request("a")
+    session = web.manager.entry("a").session
+    session.sampling = Sampling(max_new_tokens=12, temperature=0.0)
+    stream = web.send("Tell me about the kite", request)
+    while not (isinstance((out := next(stream))[0], list) and out[0][-1]["content"].endswith(" ▌")):
+        pass  # until the reply's first token is on the page
+    applied = web.apply_settings(request, *_values(web, session, budget=40))[3]
+    sampling = [getattr(session.sampling, p.name) for p in SAMPLING_SETTINGS]
+    sampling[[p.name for p in SAMPLING_SETTINGS].index("top_k")] = 7
+    generation = web.sampling(request, *sampling)
+    assert applied.startswith("applied: budget") and "top-k 7" in generation
+    last = list(stream)[-1][6]
+    assert last.startswith("reply: ") and last.endswith(f"; during it, {applied}; during it, {generation}"), last
+    last = list(web.send("And the hill?", request))[-1][6]
+    assert last.startswith("reply: ") and "during it" not in last, last
+    assert web.apply_settings(request, *_values(web, session, budget=36))[3].startswith("applied: budget")
+    assert web.manager.get("a").during_reply == []  # a change made between replies is not repeated
+
+
 def test_stop_while_a_long_message_is_read_gives_the_message_back(web, monkeypatch):
     """Stop pressed while the model still reads a long message: the read stops between two chunks, the chat pane and
     the stored conversation are as before it, the message is back in the input, and the tab chats on."""
