@@ -122,12 +122,13 @@ class WebApp(Layout, Chatting):
 
     def _list_after_error(self, key: str, conversation_id):
         """After an error about the chosen conversation: the tab's list drawn again, its choice cleared, where that
-        conversation is no longer saved (deleted in another tab or by ``kvchat conversations delete``); else left."""
+        conversation is no longer saved (deleted in another tab or by ``kvchat conversations delete``); else, or
+        where the database cannot be read now (the error says so), left as it is."""
         try:
-            if conversation_id is not None:
-                self.manager.store.conversation(int(conversation_id))
+            if conversation_id is not None and not self.manager.store.has(int(conversation_id)):
+                return self._conversations(key)
         except USER_ERRORS:
-            return self._conversations(key)
+            pass
         return gr.skip()
 
     # -- handlers ---------------------------------------------------------------------------------------------------

@@ -236,6 +236,10 @@ class Store:
 
     # -- reading ----------------------------------------------------------------------------------------------
     @guarded
+    def has(self, conversation_id: int) -> bool:
+        return bool(list(self.db.query("SELECT 1 FROM conversations WHERE id = ?", [conversation_id])))
+
+    @guarded
     def conversation(self, conversation_id: int) -> dict:
         rows = list(self.db.query("SELECT * FROM conversations WHERE id = ?", [conversation_id]))
         if not rows:

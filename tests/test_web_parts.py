@@ -12,7 +12,7 @@ from kvchat.app.sessions import CapacityError, SessionManager
 from kvchat.app.views import cache_view, charts, chat_messages, head_map, layer_lengths, stored_turns
 from kvchat.core.engine.session import Sampling
 from kvchat.core.engine.settings import Settings
-from kvchat.storage.db import Store
+from kvchat.storage.db import Store, StoreError
 
 GREEDY = Sampling(max_new_tokens=6, temperature=0.0)
 SETTINGS = Settings(policy="streaming", budget=48, window=8, slack=6)
@@ -360,7 +360,7 @@ def test_a_conversation_another_process_has_open_is_refused_in_the_page(web):
     assert "opened conversation" in web.open_conversation(cid, _Request("b"))[5]
 
 
-def test_a_choice_deleted_elsewhere_is_an_error_that_draws_the_list_again(web):
+def test_a_choice_deleted_elsewhere_is_an_error_that_draws_the_list_again(web, monkeypatch):
     """A conversation deleted in another tab (or by ``kvchat conversations delete``) while this tab still shows it
     in its list: Open, Rename, Delete and Export say it is not there and draw the list again without it, the choice
     cleared; an error about a conversation still saved leaves the list as it is."""
@@ -383,6 +383,13 @@ def test_a_choice_deleted_elsewhere_is_an_error_that_draws_the_list_again(web):
     out = web.open_conversation(None, _Request("c"))
     assert "choose a conversation" in out[5] and "choices" not in out[4]
 
+    def unreadable(conversation_id):
+        raise StoreError(f"database {web.manager.store.path}: database is locked")
+
+    monkeypatch.setattr(web.manager.store, "has", unreadable)  # the database unreadable at that moment: list left
+    out = web.open_conversation(cid, _Request("c"))
+    assert missing in out[5] and "choices" not in out[4]
+
 
 def test_full_policy_reserves_the_models_positions(manager):
     full = SETTINGS.changed(policy="full")
@@ -393,8 +400,6 @@ def test_full_policy_reserves_the_models_positions(manager):
 def test_undo_and_retry_the_database_refuses_show_an_error_and_change_nothing(web, monkeypatch):
     """The web UI's Undo and Retry while the database refuses the write: a visible error, and the chat, the cache
     and the stored conversation stay as they were."""
-    from kvchat.storage.db import StoreError
-
     request = _Request("a")
     session = web.manager.entry("a").session
     _chat(session, turns=2)
