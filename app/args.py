@@ -276,10 +276,9 @@ def load(args):
     defaults. Returns (sampling, model)."""
     given = sampling_from_args(args)
     Sampling().changed(**given)
-    from ..core.model.names import DEFAULT_MODEL, local_model
+    from ..core.model.names import DEFAULT_MODEL
 
     spec = DEFAULT_MODEL if args.model is None else args.model
-    local_model(spec)  # a mistyped path: refused in one line, not after "loading"
     print(f"loading {spec} ...", file=sys.stderr, flush=True)
     from ..core.model.loading import load_model
 

@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         else None
     try:
         if getattr(args, "model", None) is not None and getattr(args, "resume", None) is None:
-            local_model(args.model)  # a mistyped path, refused before the command's imports (seconds); load() again
+            local_model(args.model)  # a mistyped path, refused before the command's imports (seconds)
         return commands[args.command](args)
     except (ValueError, OSError, sqlite3.Error) as exc:  # a model that cannot load is a ValueError (ModelError)
         print(f"kvchat: error: {one_line(str(exc))}", file=sys.stderr)

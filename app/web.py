@@ -217,11 +217,11 @@ class WebApp(Layout, Chatting):
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
             return _error(str(exc))
-        entry.session.sampling = new
+        changed, entry.session.sampling = new != entry.session.sampling, new
         rest = ", ".join(f"{p.name.replace('_', '-')} {getattr(new, p.name)}" for p in SAMPLING_SETTINGS
                          if p.name != "max_new_tokens")
         status = f"generation: up to {new.max_new_tokens} new tokens, {rest}"
-        if entry.busy:
+        if changed and entry.busy:  # not the blur after an Enter, nor a field left unchanged
             entry.during_reply.append(status)
         return status
 

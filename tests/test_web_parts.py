@@ -482,6 +482,8 @@ def test_settings_changed_while_a_reply_streams_are_said_again_at_its_end(web):
     sampling = [getattr(session.sampling, p.name) for p in SAMPLING_SETTINGS]
     sampling[[p.name for p in SAMPLING_SETTINGS].index("top_k")] = 7
     generation = web.sampling(request, *sampling)
+    assert web.sampling(request, *sampling) == generation  # the field's blur after its Enter: said once
+    assert "kv-error" in web.sampling(request, *["lots"] + sampling[1:])  # refused: not said again
     assert applied.startswith("applied: budget") and "top-k 7" in generation
     last = list(stream)[-1][6]
     assert last.startswith("reply: ") and last.endswith(f"; during it, {applied}; during it, {generation}"), last
