@@ -239,6 +239,38 @@ def db_path(arg: str | None) -> Path:
     return Path(arg).expanduser() if arg else kvchat_home() / "kvchat.db"
 
 
+def check_installed(distribution: str = "kvchat") -> None:
+    """CLIError naming a package installed outside the range kvchat declares for it (an environment installed with
+    ``--no-deps``, or a package changed after kvchat): an older transformers fails only at the first cache, with a
+    TypeError from deep in its cache classes. The ranges are read from kvchat's installed metadata (pyproject.toml);
+    a source tree run without installing has none, and is not checked."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        declared = metadata.requires(distribution) or []
+    except metadata.PackageNotFoundError:
+        return
+    for line in declared:
+        req = Requirement(line)
+        if req.marker is not None:  # an extra's (tests) or a platform's
+            continue
+        bounds = sorted(map(str, req.specifier), key=lambda b: not b.startswith(">"))  # the lower bound first
+        wanted = req.name + ",".join(bounds)
+        try:
+            have = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            raise CLIError(f"kvchat needs {wanted}, which is not installed: pip install '{wanted}'") from None
+        try:
+            version = Version(have)
+        except InvalidVersion:  # a version string that is not PEP 440 (a local build's): not judged
+            continue
+        if not req.specifier.contains(version, prereleases=True):
+            raise CLIError(f"kvchat needs {wanted}, but {req.name} {have} is installed: pip install '{wanted}'")
+
+
 def check_resume(args) -> None:
     """A ``--resume`` that cannot open, refused before the model loads (seconds): no such conversation in the
     database, one another process has open, or a ``--model`` other than the one that held it. Without ``--model`` it

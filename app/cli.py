@@ -16,7 +16,8 @@ from pathlib import Path
 from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS
 from ..core.model.names import local_model
 from ..policies import POLICIES, Param
-from .args import CLIError, build_parser, check_resume, db_path, load, prepare, resumed_changes, settings_text
+from .args import (CLIError, build_parser, check_installed, check_resume, db_path, load, prepare, resumed_changes,
+                   settings_text)
 
 EXIT_USAGE = 2
 
@@ -290,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminated) if threading.current_thread() is threading.main_thread() \
         else None
     try:
+        check_installed()  # before the imports that would fail on a package out of its range
         if getattr(args, "model", None) is not None and getattr(args, "resume", None) is None:
             local_model(args.model)  # a mistyped path, refused before the command's imports (seconds)
         return commands[args.command](args)

@@ -254,6 +254,46 @@ def test_bad_input_is_one_line_and_exit_2(model_dir, tmp_path, capsys, args, con
     assert not db.exists() or Store(db).conversations() == []
 
 
+def test_a_package_outside_its_declared_range_is_refused_in_one_line(monkeypatch, capsys):
+    """An environment installed with --no-deps, or changed after kvchat: a package outside the range pyproject.toml
+    declares for it (transformers before 5.17 fails only at the first cache, with a TypeError from its cache classes)
+    or missing is named before anything loads; the installed environment itself passes."""
+    from importlib import metadata
+
+    assert main(["policies"]) == 0 and capsys.readouterr().err == ""  # this environment is within every range
+    real_version = metadata.version
+    declared = ["torch>=2.11", "transformers<6,>=5.17", "gradio<7,>=6.0", 'pytest>=8; extra == "test"']
+    monkeypatch.setattr(metadata, "requires", lambda dist: declared)
+    for name, have in [("transformers", "5.12.0"), ("transformers", "6.0.0"), ("torch", "2.10.0+cu128")]:
+        monkeypatch.setattr(metadata, "version", lambda pkg: have if pkg == name else real_version(pkg))
+        assert main(["policies"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1
+        needs = rf"{name}[<>=0-9.,]+"
+        assert re.fullmatch(rf"kvchat: error: kvchat needs {needs}, but {name} {re.escape(have)} is installed: "
+                            rf"pip install '{needs}'\n", err), err
+
+    monkeypatch.setattr(metadata, "version", lambda pkg: "custom-build" if pkg == "torch" else real_version(pkg))
+    assert main(["policies"]) == 0  # a version string that is not PEP 440 is not judged (nor a reason to refuse)
+    capsys.readouterr()
+
+    def missing(pkg):
+        if pkg in ("gradio", "pytest"):
+            raise metadata.PackageNotFoundError(pkg)
+        return real_version(pkg)
+
+    monkeypatch.setattr(metadata, "version", missing)  # pytest is an extra's: not asked for
+    assert main(["policies"]) == 2
+    err = capsys.readouterr().err
+    assert "kvchat needs gradio>=6.0,<7, which is not installed: pip install 'gradio>=6.0,<7'" in err
+
+    def not_installed(dist):  # a source tree run without installing: nothing declared to check against
+        raise metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(metadata, "requires", not_installed)
+    assert main(["policies"]) == 0
+
+
 def test_model_errors(no_template_dir, tmp_path, capsys):
     script = _write(tmp_path / "s.jsonl", SCRIPT[1:2])
     code, _, err = _run(capsys, "replay", script, "--model", no_template_dir, "--db", tmp_path / "kv.db")
