@@ -795,8 +795,18 @@ def test_chat_set_changes_cache_and_sampling_settings(tiny, capsys):
     assert "  settings: policy=streaming, budget=64, sink=4, window=16, " in out
 
 
+@pytest.fixture
+def default_sigint():
+    """Ctrl-C as a terminal delivers it (KeyboardInterrupt), however pytest was started: a job that a non-interactive
+    shell puts in the background starts with SIGINT ignored."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 @pytest.mark.parametrize("decode", ["auto", "graph"])  # graph: the step that runs ahead of the host (a GPU's)
-def test_ctrl_c_in_the_terminal_chat_stops_the_reply_and_keeps_it(decode, tokenizer, tmp_path, monkeypatch, capsys):
+def test_ctrl_c_in_the_terminal_chat_stops_the_reply_and_keeps_it(decode, tokenizer, tmp_path, monkeypatch, capsys,
+                                                                  default_sigint):
     """Ctrl-C while a reply streams (here: SIGINT sent while the fifth token is read back) stops it between two
     tokens: its turn is closed and saved with the partial reply, the cache, token log and next positions agree, the
     next message is answered, and Ctrl-C means KeyboardInterrupt again after the reply. It used to raise inside a
