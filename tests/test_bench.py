@@ -137,15 +137,14 @@ def test_quick_run_without_out_leaves_the_committed_results_alone(default_dir, t
     monkeypatch.chdir(work)
     monkeypatch.setenv("KVCHAT_HOME", str(home))
     monkeypatch.setenv("KVCHAT_DATA", str(data_file()))
-    # The cheapest bench, smaller still: enough turns to fill a small cache.
-    code = main(["bench", "memory", "--quick", "--turns", "12", "--budget", "64", "--model", str(default_dir)])
+    code = main(["bench", "durability", "--quick", "--model", str(default_dir)])  # the cheapest bench (seconds)
     err = capsys.readouterr().err
     assert code == 0, err[-2000:]
     after = _snapshot(work / "docs")
     assert [str(p) for p in sorted(set(before) | set(after)) if before.get(p) != after.get(p)] == []  # none changed
     scratch = home / "bench-quick"
     assert f"quick run: writing to {scratch}" in err
-    assert json.loads((scratch / "results" / "memory.json").read_text())["quick"]
+    assert json.loads((scratch / "results" / "durability.json").read_text())["quick"]
     assert (scratch / "RESULTS.md").is_file()
 
 
