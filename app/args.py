@@ -255,7 +255,7 @@ def check_installed(distribution: str = "kvchat") -> None:
         return
     for line in declared:
         req = Requirement(line)
-        if req.marker is not None:  # an extra's (tests) or a platform's
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):  # an extra's (tests), another platform's
             continue
         bounds = sorted(map(str, req.specifier), key=lambda b: not b.startswith(">"))  # the lower bound first
         wanted = req.name + ",".join(bounds)

@@ -287,6 +287,12 @@ def test_a_package_outside_its_declared_range_is_refused_in_one_line(monkeypatch
     err = capsys.readouterr().err
     assert "kvchat needs gradio>=6.0,<7, which is not installed: pip install 'gradio>=6.0,<7'" in err
 
+    monkeypatch.setattr(metadata, "version", lambda pkg: "5.12.0" if pkg == "transformers" else real_version(pkg))
+    for marker, code in [('python_version >= "3"', 2), ('sys_platform == "no-such-platform"', 0)]:
+        monkeypatch.setattr(metadata, "requires", lambda dist: [f"transformers<6,>=5.17; {marker}"])
+        assert main(["policies"]) == code, marker  # a platform's requirement: judged where its marker holds
+        capsys.readouterr()
+
     def not_installed(dist):  # a source tree run without installing: nothing declared to check against
         raise metadata.PackageNotFoundError(dist)
 
