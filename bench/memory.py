@@ -32,7 +32,7 @@ from .common import DISK, Run, data_dir, disk, fastchat_pairs, log, read_text, s
 NAME = "memory"
 TITLE = "Memory"
 QUICK = {"turns": 60, "budget": 256, "decode_at": [20], "decode_steps": 4, "decode_repeats": 1}
-REFERENCE_TURNS = 40  # exchanges fed to the reference chat (more than fill a cache of budget 1024)
+REFERENCE_TURNS = 40  # exchanges fed to a reference chat whose cache never fills (``full``)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,14 +61,23 @@ def slope_per_1000(xs: list[float], ys: list[float]) -> float:
     return 1000 * sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
 
 
+def reference_chat(cm, settings: Settings, pairs: list[tuple[str, str]]) -> tuple[Session, int]:
+    """The short chat timed beside the long one, its cache as full: exchanges until its policy first evicts (so at
+    any budget; 40 exchanges, the fixed count before, did not fill a cache of budget 4096), or ``REFERENCE_TURNS``
+    for a cache that never fills. Returns it and its count of exchanges."""
+    reference, t = Session(cm, settings), 0
+    while not reference.evicted_total if settings.bounded else t < REFERENCE_TURNS:
+        reference.exchange(*pairs[t % len(pairs)])
+        t += 1
+    return reference, t
+
+
 def replay(cm, settings: Settings, pairs: list[tuple[str, str]], turns: int, args, prompt: str,
            folder: Path | None = None) -> dict:
     from .speed import timed_turn
 
     gc.collect()
-    reference = Session(cm, settings)
-    for t in range(REFERENCE_TURNS):
-        reference.exchange(*pairs[t % len(pairs)])
+    reference, reference_turns = reference_chat(cm, settings, pairs)
     store = Store(folder / f"{settings.policy}.db") if folder is not None else None
     session = Session(cm, settings, store=store)
     samples, filled, decode = [], None, []
@@ -104,6 +113,7 @@ def replay(cm, settings: Settings, pairs: list[tuple[str, str]], turns: int, arg
            "rss_mb_filled": samples[filled - 1][2] if filled is not None else None,
            "rss_mb_slope": slope_per_1000(xs, [s[2] for s in after]),
            "token_log_bytes": session.stats()["token_log_bytes"], "decode": decode,
+           "reference_turns": reference_turns,
            "stored": store is not None,
            "recall": settings.recall, "archive_mb": settings.archive_mb,
            "samples": [[s[0], round(s[1] / 2**20, 3), round(s[2], 1), s[4], *s[5:]] for s in samples]}
