@@ -833,6 +833,29 @@ def test_a_declined_recall_leaves_the_turn_as_if_nothing_had_been_recalled(tiny,
 
 
 @pytest.mark.gate
+@pytest.mark.parametrize("declines", [True, False])
+def test_a_warning_of_a_read_taken_back_is_not_given(tiny, monkeypatch, declines):
+    """A warning raised while recalled text is read back (a compression of that read: the system prompt no longer
+    fits beside the window) belongs to that read: where the gate takes it back, the turn does not give it (it was
+    given, and given again at each read taken back); where the read stays, it is given once."""
+    bring_back = recall_choose.bring_back
+
+    def warning_back(session, *args, **kwargs):
+        session.warn("probe", "said while the recalled text was read back")
+        return bring_back(session, *args, **kwargs)
+
+    monkeypatch.setattr(recall_choose, "bring_back", warning_back)
+    monkeypatch.setattr(gate, "GAIN", float("inf") if declines else float("-inf"))
+    session = Session(tiny("llama"), _settings(), sampling=GREEDY)
+    results = _chat(session) + [session.chat("And what did I say about the sea?")]
+    read_back = [r for r in results if r.recall_declined or r.recalled]
+    assert read_back
+    given = [r for r in results if "said while the recalled text was read back" in r.warnings]
+    assert given == ([] if declines else read_back[:1])
+    assert ("probe" in session.warned) is not declines
+
+
+@pytest.mark.gate
 def test_the_gate_compares_the_messages_content_tokens():
     scaffolding = torch.tensor([1, 2])
     ids = torch.tensor([1, 5, 6, 2])
