@@ -43,6 +43,7 @@ class Checkpoint:
     system_tokens: int
     last_logits: torch.Tensor | None
     warned: set[str]
+    warnings: list[str]  # the open turn's, given as it closes: those of a read taken back are not (with ``warned``)
     pending: list[dict]
     pending_settings: list[dict]
     title: str | None
@@ -65,6 +66,7 @@ class Checkpoint:
             log_n=session.log.n, sentence=session.log.sentence, messages=[dict(m) for m in session.messages],
             turn=session.turn, history=list(session.history), evictions=copy.deepcopy(session.evictions),
             system_tokens=session.system_tokens, last_logits=session.last_logits, warned=set(session.warned),
+            warnings=list(session._warnings),
             pending=list(session.pending), pending_settings=list(session.pending_settings), title=session.title,
             conversation_id=session.conversation_id, generator=session.generator.get_state(),
             digests=session.digests.window() if session.digests is not None else None,
@@ -95,6 +97,7 @@ class Checkpoint:
         session.history[:] = self.history
         session.evictions = self.evictions
         session.system_tokens, session.last_logits, session.warned = self.system_tokens, self.last_logits, self.warned
+        session._warnings = list(self.warnings)
         session.pending, session.pending_settings = self.pending, self.pending_settings
         session.title = self.title
         session.generator.set_state(self.generator)

@@ -108,7 +108,6 @@ class Feeding:
         without = gate.content_nll(self.tail_logprobs, scaffolding)
         after_first = Checkpoint.capture(self)  # the message read without recall: kept if recall does not help
         stage, guard, carry = copy.deepcopy(self.digests.stage), self.recall_guard, self.carry
-        warnings = list(self._warnings)  # a warning of the read taken back is not the turn's (nor is it given)
         before.restore(self)  # the read from the mark is forgotten (the message stays in the token log)
         ids, at = torch.tensor(message, dtype=torch.long), before.at
         positions = torch.arange(self.log.n - ids.numel(), self.log.n)
@@ -128,7 +127,7 @@ class Feeding:
             return head
         t = time.perf_counter()
         after_first.restore(self)
-        self.digests.stage, self.recall_guard, self.carry, self._warnings = stage, guard, carry, warnings
+        self.digests.stage, self.recall_guard, self.carry = stage, guard, carry
         found["recall_ms"] += 1000 * (time.perf_counter() - t)
         found["declined"] = found["recalled"]
         found.update(recalled=[], recalled_tokens=0, recalled_groups=0, bring=found["bring"][:0])
