@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import data_file
+from kvchat.core.engine.feeding import Feeding
 from kvchat.core.engine.session import Sampling, Session
 from kvchat.core.engine.settings import Settings
 from kvchat.storage.db import Store
@@ -853,6 +854,29 @@ def test_a_warning_of_a_read_taken_back_is_not_given(tiny, monkeypatch, declines
     given = [r for r in results if "said while the recalled text was read back" in r.warnings]
     assert given == ([] if declines else read_back[:1])
     assert ("probe" in session.warned) is not declines
+
+
+@pytest.mark.gate
+@pytest.mark.parametrize("declines", [True, False])
+def test_a_warning_of_the_first_read_goes_with_it(tiny, monkeypatch, declines):
+    """A warning raised by the message's first read (without recall) is given where the gate goes back to that read,
+    and not where the read with recalled text is kept instead: that state never made the first read's compression
+    (the turn gave it while the session forgot it had warned)."""
+    read_with = Feeding._read_with
+
+    def first_read_warned(session, *args, **kwargs):  # called with the first read's state, before the read-back
+        session.warn("probe", "said by the first read")
+        return read_with(session, *args, **kwargs)
+
+    monkeypatch.setattr(Feeding, "_read_with", first_read_warned)
+    monkeypatch.setattr(gate, "GAIN", float("inf") if declines else float("-inf"))
+    session = Session(tiny("llama"), _settings(), sampling=GREEDY)
+    results = _chat(session) + [session.chat("And what did I say about the sea?")]
+    read_back = [r for r in results if r.recall_declined or r.recalled]
+    assert read_back
+    given = [r for r in results if "said by the first read" in r.warnings]
+    assert given == (read_back[:1] if declines else [])
+    assert ("probe" in session.warned) is declines
 
 
 @pytest.mark.gate
