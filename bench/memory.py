@@ -66,7 +66,7 @@ def reference_chat(cm, settings: Settings, pairs: list[tuple[str, str]]) -> tupl
     any budget; 40 exchanges, the fixed count before, did not fill a cache of budget 4096), or ``REFERENCE_TURNS``
     for a cache that never fills. Returns it and its count of exchanges."""
     reference, t = Session(cm, settings), 0
-    while not reference.evicted_total if settings.bounded else t < REFERENCE_TURNS:
+    while (not reference.evicted_total) if settings.bounded else (t < REFERENCE_TURNS):
         reference.exchange(*pairs[t % len(pairs)])
         t += 1
     return reference, t
