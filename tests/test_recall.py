@@ -834,49 +834,33 @@ def test_a_declined_recall_leaves_the_turn_as_if_nothing_had_been_recalled(tiny,
 
 
 @pytest.mark.gate
+@pytest.mark.parametrize("read", ["first", "back"])
 @pytest.mark.parametrize("declines", [True, False])
-def test_a_warning_of_a_read_taken_back_is_not_given(tiny, monkeypatch, declines):
-    """A warning raised while recalled text is read back (a compression of that read: the system prompt no longer
-    fits beside the window) belongs to that read: where the gate takes it back, the turn does not give it (it was
-    given, and given again at each read taken back); where the read stays, it is given once."""
-    bring_back = recall_choose.bring_back
+def test_a_warning_goes_with_the_read_the_gate_keeps(tiny, monkeypatch, declines, read):
+    """A warning raised by one of a message's two reads (a compression of that read: the system prompt no longer fits
+    beside the window) belongs to it: the turn gives it, once, where the gate keeps that read, and not where the gate
+    keeps the other. A read-back's warning was given where the gate took the read back (and again at each such read);
+    the first read's was given where the read with recalled text was kept, while the session forgot it had warned."""
+    if read == "first":  # ``_read_with`` is called with the first read's state, before the read-back
+        owner, name = Feeding, "_read_with"
+    else:
+        owner, name = recall_choose, "bring_back"
+    original = getattr(owner, name)
 
-    def warning_back(session, *args, **kwargs):
-        session.warn("probe", "said while the recalled text was read back")
-        return bring_back(session, *args, **kwargs)
+    def warning(session, *args, **kwargs):
+        session.warn("probe", f"said by the {read} read")
+        return original(session, *args, **kwargs)
 
-    monkeypatch.setattr(recall_choose, "bring_back", warning_back)
+    monkeypatch.setattr(owner, name, warning)
     monkeypatch.setattr(gate, "GAIN", float("inf") if declines else float("-inf"))
     session = Session(tiny("llama"), _settings(), sampling=GREEDY)
     results = _chat(session) + [session.chat("And what did I say about the sea?")]
     read_back = [r for r in results if r.recall_declined or r.recalled]
     assert read_back
-    given = [r for r in results if "said while the recalled text was read back" in r.warnings]
-    assert given == ([] if declines else read_back[:1])
-    assert ("probe" in session.warned) is not declines
-
-
-@pytest.mark.gate
-@pytest.mark.parametrize("declines", [True, False])
-def test_a_warning_of_the_first_read_goes_with_it(tiny, monkeypatch, declines):
-    """A warning raised by the message's first read (without recall) is given where the gate goes back to that read,
-    and not where the read with recalled text is kept instead: that state never made the first read's compression
-    (the turn gave it while the session forgot it had warned)."""
-    read_with = Feeding._read_with
-
-    def first_read_warned(session, *args, **kwargs):  # called with the first read's state, before the read-back
-        session.warn("probe", "said by the first read")
-        return read_with(session, *args, **kwargs)
-
-    monkeypatch.setattr(Feeding, "_read_with", first_read_warned)
-    monkeypatch.setattr(gate, "GAIN", float("inf") if declines else float("-inf"))
-    session = Session(tiny("llama"), _settings(), sampling=GREEDY)
-    results = _chat(session) + [session.chat("And what did I say about the sea?")]
-    read_back = [r for r in results if r.recall_declined or r.recalled]
-    assert read_back
-    given = [r for r in results if "said by the first read" in r.warnings]
-    assert given == (read_back[:1] if declines else [])
-    assert ("probe" in session.warned) is declines
+    kept = declines == (read == "first")
+    given = [r for r in results if f"said by the {read} read" in r.warnings]
+    assert given == (read_back[:1] if kept else [])
+    assert ("probe" in session.warned) is kept
 
 
 @pytest.mark.gate
