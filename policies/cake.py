@@ -60,5 +60,11 @@ class CAKE(Policy):
             return view.recency
         return view.window.mean(1) + self.gamma * view.window.var(dim=1, unbiased=False)
 
+    def get_state(self):
+        return {"budgets": self.budgets, "preferences": self.preferences}
+
+    def set_state(self, state):  # a conversation saved before CAKE kept its state stored {}
+        self.budgets, self.preferences = list(state.get("budgets", [])), list(state.get("preferences", []))
+
     def report(self):
         return {"layer_budgets": list(self.budgets), "layer_preferences": [round(p, 6) for p in self.preferences]}

@@ -39,6 +39,28 @@ def test_budget_larger_than_chat_equals_full(tiny, arch, positions):
         assert session.evicted_total == 0
 
 
+@pytest.mark.parametrize("policy", ["cake", "headaware"])
+def test_a_settings_change_that_keeps_the_policy_keeps_what_it_learned(tiny, policy):
+    """A change of budget, groups, slack or recall keeps the running policy and what it learned: headaware's head
+    budgets (a running mean over every compression) and CAKE's layer budgets (the web UI's chart, /stats), which an
+    undo keeps too. Every change made a new policy before: headaware's mean started again, CAKE's budgets were gone
+    until the next compression. Other parameters are another policy, which starts afresh."""
+    session = Session(tiny("llama"), Settings(policy=policy, budget=40, window=8, slack=6), sampling=GREEDY, undo=True)
+    for i in range(3):
+        session.exchange(f"Question {i}: " + "word " * 30 + "?", f"Answer {i}. " + "reply " * 12)
+    learned, running = session.policy.get_state(), session.policy
+    assert learned["budgets"] and session.policy.report() != make_policy(policy).report()
+    session.configure(groups="sentence", slack=10, recall="off", budget=60)  # a larger budget compresses nothing
+    assert session.policy is running and session.policy.get_state() == learned
+    evicted = session.evicted_total
+    session.chat("Hello?")
+    assert session.evicted_total == evicted  # nothing compressed: what the policy holds is still what it learned
+    session.undo()
+    assert session.policy.get_state() == learned
+    session.configure(params={"obs_window": 16})
+    assert session.policy.get_state() == make_policy(policy, obs_window=16).get_state()
+
+
 @pytest.mark.parametrize("policy", ATTENTION_POLICIES)
 @pytest.mark.parametrize("groups", ["token", "sentence"])
 def test_bounded_and_compressing(tiny, policy, groups):

@@ -168,14 +168,14 @@ class Session(Feeding, Generation, SessionReads):
         return record["changes"]
 
     def _apply_settings(self, new: Settings) -> None:
-        policy = make_policy(new.policy, **new.params)
-        old, was_bounded = self.settings, self.policy.bounded
-        self.settings, self.policy = new, policy
+        """Another policy, or other parameters, get a new policy and observer; the same keep what it learned."""
+        old, was_bounded, self.settings = self.settings, self.policy.bounded, new
         if (old.policy, old.params) != (new.policy, new.params):
-            self.observer = self.make_observer(policy)
+            self.policy = make_policy(new.policy, **new.params)
+            self.observer = self.make_observer(self.policy)
         if old.positions != new.positions:
             convert_positions(self.cache, self.model.rotary, new.positions)
-        if policy.bounded:
+        if self.policy.bounded:
             shrunk = not was_bounded or new.budget < old.budget
             if shrunk and self.cache.mean_length > new.budget:
                 compress.compress(self, new.budget, "settings")
