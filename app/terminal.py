@@ -194,9 +194,9 @@ def _chat_command(session, line: str) -> bool | str:
                 raise CLIError(f"/policy takes its parameters as key=value, got {bare[0]!r}")
             applied = session.configure(policy=rest[0], params=dict(kv.split("=", 1) for kv in rest[1:]))
         elif cmd == "budget":
-            if len(rest) != 1 or not rest[0].isdigit():
+            if len(rest) != 1:
                 raise CLIError("/budget needs one number")
-            applied = session.configure(budget=int(rest[0]))
+            applied = _set(session, [f"budget={rest[0]}"])  # parsed by its declaration: "-5" is not a budget
         else:
             applied = _set(session, rest)
         print(f"  applied: {settings_text(applied)}" if applied else "  no change")

@@ -325,8 +325,8 @@ def test_a_device_this_torch_cannot_reach_is_one_line_and_exit_2(model_dir, tmp_
 
 def test_terminal_chat_with_commands(model_dir, tmp_path):
     db = tmp_path / "kv.db"
-    stdin = ("Hello there\n/budget 40\n/policy window\n/set groups=sentence\n/stats\n/budget x\n/set heavy=8\n"
-             "/policy h2o heavy 8\nAgain\n/quit\n")
+    stdin = ("Hello there\n/budget 40\n/policy window\n/set groups=sentence\n/stats\n/budget x\n/budget -5\n/budget\n"
+             "/set heavy=8\n/policy h2o heavy 8\nAgain\n/quit\n")
     proc = subprocess.run([sys.executable, "-m", "kvchat.app.cli", "chat", "--model", str(model_dir), "--db", str(db),
                            "--budget", "64", "--window", "8", "--max-new-tokens", "5"],
                           input=stdin, capture_output=True, text=True, timeout=300)
@@ -334,6 +334,8 @@ def test_terminal_chat_with_commands(model_dir, tmp_path):
     assert "Warning" not in proc.stderr and "deprecated" not in proc.stderr, proc.stderr  # a fresh chat warns nothing
     assert proc.stdout.count("bot> ") == 2
     assert "applied: budget=40" in proc.stdout and "applied: policy=window" in proc.stdout
+    assert "kvchat: error: budget must be a whole number, got 'x'" in proc.stderr  # its declaration's words
+    assert "kvchat: error: budget must be >= 1, got -5" in proc.stderr  # "needs one number", of a number
     assert "kvchat: error: /budget needs one number" in proc.stderr
     assert "/set cannot change 'heavy'; a parameter of h2o: /policy h2o heavy=VALUE" in proc.stderr
     assert "/policy takes its parameters as key=value, got 'heavy'" in proc.stderr  # was dropped without a word
