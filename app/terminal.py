@@ -192,7 +192,11 @@ def _chat_command(session, line: str) -> bool | str:
             bare = [kv for kv in rest[1:] if "=" not in kv]
             if bare:
                 raise CLIError(f"/policy takes its parameters as key=value, got {bare[0]!r}")
-            applied = session.configure(policy=rest[0], params=dict(kv.split("=", 1) for kv in rest[1:]))
+            given = dict(kv.split("=", 1) for kv in rest[1:])
+            own = {p.name for p in POLICIES[rest[0]].params} if rest[0] in POLICIES else SETTINGS.keys()
+            for k in given.keys() & SETTINGS.keys() - own:  # was "policy h2o has no parameter groups"
+                raise CLIError(f"{k} is a setting, not a parameter of {rest[0]}: /set {k}={given[k]}")
+            applied = session.configure(policy=rest[0], params=given)
         elif cmd == "budget":
             if len(rest) != 1:
                 raise CLIError("/budget needs one number")

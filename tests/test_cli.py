@@ -326,7 +326,7 @@ def test_a_device_this_torch_cannot_reach_is_one_line_and_exit_2(model_dir, tmp_
 def test_terminal_chat_with_commands(model_dir, tmp_path):
     db = tmp_path / "kv.db"
     stdin = ("Hello there\n/budget 40\n/policy window\n/set groups=sentence\n/stats\n/budget x\n/budget -5\n/budget\n"
-             "/set heavy=8\n/policy h2o heavy 8\nAgain\n/quit\n")
+             "/set heavy=8\n/policy h2o heavy 8\n/policy h2o groups=turn\nAgain\n/quit\n")
     proc = subprocess.run([sys.executable, "-m", "kvchat.app.cli", "chat", "--model", str(model_dir), "--db", str(db),
                            "--budget", "64", "--window", "8", "--max-new-tokens", "5"],
                           input=stdin, capture_output=True, text=True, timeout=300)
@@ -339,6 +339,7 @@ def test_terminal_chat_with_commands(model_dir, tmp_path):
     assert "kvchat: error: /budget needs one number" in proc.stderr
     assert "/set cannot change 'heavy'; a parameter of h2o: /policy h2o heavy=VALUE" in proc.stderr
     assert "/policy takes its parameters as key=value, got 'heavy'" in proc.stderr  # was dropped without a word
+    assert "groups is a setting, not a parameter of h2o: /set groups=turn" in proc.stderr  # "h2o has no groups"
     (conv,) = Store(db).conversations()
     assert conv["settings"]["policy"] == "window" and conv["settings"]["groups"] == "sentence"
     # ... and it resumes exactly as its last turn (and the settings changes after it) left the cache.
