@@ -80,6 +80,9 @@ def test_bounded_and_compressing(tiny, policy, groups):
         assert sum(layer.lens) <= layer.heads * (budget + 6)
         assert all(n <= c for n, c in zip(layer.lens, layer.caps))
     assert sum(sum(layer.lens) for layer in layers) <= sum(layer.heads for layer in layers) * 46
+    stats = session.stats()  # /stats and the web UI's info line: the average, as the turns and charts say
+    assert stats["cache_tokens"] == session.cache_tokens <= stats["capacity"] == 46
+    assert stats["fullest_head_tokens"] == session.cache.length >= stats["cache_tokens"]
 
 
 def test_h2o_keeps_an_old_token_every_query_attends_to():

@@ -110,7 +110,10 @@ class SessionReads:
         s = self.settings
         return {
             "policy": s.policy, "params": dict(self.policy.values), "settings": s.as_dict(), "turns": self.turn,
-            "total_tokens": self.log.n, "token_log_bytes": self.log.nbytes, "cache_tokens": self.cache.length,
+            "total_tokens": self.log.n, "token_log_bytes": self.log.nbytes,
+            # positions per layer and head, averaged, as turns and charts say (cake's and headaware's layers and heads
+            # hold different numbers; the fullest may hold more than budget + slack, the average never)
+            "cache_tokens": self.cache.mean_length, "fullest_head_tokens": self.cache.length,
             "cache_bytes": self.cache.nbytes,
             "capacity": s.capacity if self.policy.bounded else None, "evicted_tokens": self.evictions.total,
             "max_positions": self.model.max_positions, "peak_rss_mb": peak_rss_mb(),
