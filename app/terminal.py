@@ -193,9 +193,12 @@ def _chat_command(session, line: str) -> bool | str:
             if bare:
                 raise CLIError(f"/policy takes its parameters as key=value, got {bare[0]!r}")
             given = dict(kv.split("=", 1) for kv in rest[1:])
-            own = {p.name for p in POLICIES[rest[0]].params} if rest[0] in POLICIES else SETTINGS.keys()
-            for k in given.keys() & SETTINGS.keys() - own:  # was "policy h2o has no parameter groups"
-                raise CLIError(f"{k} is a setting, not a parameter of {rest[0]}: /set {k}={given[k]}")
+            if rest[0] in POLICIES:  # (an unknown name: configure lists the policies)
+                own = {p.name for p in POLICIES[rest[0]].params}
+                settings = sorted((given.keys() & SETTINGS.keys()) - own)  # was "policy h2o has no parameter groups"
+                if settings:
+                    k = settings[0]
+                    raise CLIError(f"{k} is a setting, not a parameter of {rest[0]}: /set {k}={given[k]}")
             applied = session.configure(policy=rest[0], params=given)
         elif cmd == "budget":
             if len(rest) != 1:
