@@ -14,6 +14,7 @@ from kvchat.core.engine.session import Sampling, Session
 from kvchat.core.engine.settings import Settings
 from kvchat.policies import LayerView, make_policy
 from kvchat.policies.base import split_budget
+from kvchat.storage.db import Store
 
 ATTENTION_POLICIES = ["h2o", "tova", "snapkv", "cake", "headaware"]
 GREEDY = Sampling(max_new_tokens=6, temperature=0.0)
@@ -59,6 +60,61 @@ def test_a_settings_change_that_keeps_the_policy_keeps_what_it_learned(tiny, pol
     assert session.policy.get_state() == learned
     session.configure(params={"obs_window": 16})
     assert session.policy.get_state() == make_policy(policy, obs_window=16).get_state()
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "tova", "cake", "headaware"])
+@pytest.mark.parametrize("positions", ["rerotate", "original"])
+def test_a_switch_that_compresses_at_once_chooses_by_attention(tiny, tmp_path, policy, positions):
+    """Switched in from ``full`` over a cache past the new budget, a policy that reads its observation window first
+    reads the cache's newest tokens again to observe them, then compresses: its window holds what it would have held
+    had it run all along (the same chat under it at a budget larger than the chat, then the same budget), and it
+    chooses by that, where an empty window kept the newest tokens alone. The read leaves the cache as it was, bit for
+    bit (rows on disk included: reopening restores that cache exactly)."""
+    model = tiny("llama")
+    chat = [(f"Question {i}: " + "word " * (20 + 5 * i) + "?", f"Answer {i}. " + "reply " * (8 + i)) for i in range(4)]
+    ran, switched = (Session(model, Settings(policy=p, budget=400, window=8, slack=6, positions=positions),
+                             store=Store(tmp_path / f"{p}.db"), sampling=GREEDY) for p in (policy, "full"))
+    for session in (ran, switched):
+        for message, answer in chat:
+            session.exchange(message, answer)
+    assert not switched.observer and ran.observer.observed
+    window = ran.observer.mark()
+
+    ran.configure(budget=40)
+    switched.configure(policy=policy, budget=40)
+    assert switched.evicted_total == ran.evicted_total > 0
+    read = switched.observer.mark()  # the newest tokens' queries, as the policy would have observed them
+    assert read[0].keys() == window[0].keys() and read[2] == window[2]
+    for li in window[0]:
+        assert torch.equal(read[1][li], window[1][li]) and torch.allclose(read[0][li], window[0][li], atol=1e-4)
+    # so it chooses as it would have (the read's queries differ from the observed ones in the last bits, which can
+    # turn a near tie between two slots the other way), not the newest tokens past the system prompt alone
+    assert [a.lens for a in ran.cache.layers] == [b.lens for b in switched.cache.layers]
+    n, system = switched.log.n, switched.system_tokens
+    chosen = [[p for p in head.tolist() if p >= system]
+              for layer in switched.cache.layers for head in layer.positions()]
+    assert any(c != list(range(n - len(c), n)) for c in chosen)
+    report = switched.policy.report()
+    if policy in ("cake", "headaware"):
+        key = "layer_budgets" if policy == "cake" else "head_classes"
+        assert report[key] == ran.policy.report()[key] and report[key]
+
+    # The read alone: every per-slot tensor (rows on disk, statistics) and length as before it
+    twin = Session(model, Settings(policy="full", positions=positions), store=Store(tmp_path / "twin.db"),
+                   sampling=GREEDY)
+    for message, answer in chat:
+        twin.exchange(message, answer)
+    before = [({name: t.clone() for name, t in layer.per_slot().items()}, list(layer.lens))
+              for layer in twin.cache.layers]
+    twin.settings, twin.policy = twin.settings.changed(policy=policy, budget=40), make_policy(policy)
+    twin.observer = twin.make_observer(twin.policy)
+    twin.observe_newest()
+    assert twin.observer.observed
+    for layer, (tensors, lens) in zip(twin.cache.layers, before):
+        assert layer.lens == lens
+        for name, t in tensors.items():
+            assert torch.equal(layer.per_slot()[name], t), name
+    assert any((tensors["rows"] >= 0).any() for tensors, _ in before)  # rows on disk to put back
 
 
 @pytest.mark.parametrize("policy", ATTENTION_POLICIES)

@@ -61,6 +61,12 @@ class Observer:
         self._pending = {}
         self._skip_ring()
 
+    @property
+    def observed(self) -> bool:
+        """Whether any query is remembered (in the window, or a decode step's not taken into it yet)."""
+        self._flush()
+        return any(self._count.values())
+
     def state_tensors(self) -> dict[str, torch.Tensor]:
         self._flush()
         out = {}

@@ -4,10 +4,10 @@ Each new message is rendered by the chat template as the text it adds, tokenized
 existing cache (never the history). Before a forward would take the cache past budget + slack, the cache is
 compressed to the budget (``core/cache/compress.py``). The engine never knows which policy it runs.
 
-This module orchestrates a turn: the five entry points (``add``, ``exchange``, ``probe``, ``reply``,
-``feed_raw``) share one prologue (``_open_turn``) and one epilogue (``_close_turn``). Generation is
-``core/engine/generate.py``, undo ``core/engine/checkpoint.py``, what is stored ``core/engine/persist.py`` (reopening:
-``core/engine/reopen.py``), reads from other threads (the web UI) ``core/engine/reading.py``."""
+This module orchestrates a turn: the five entry points (``add``, ``exchange``, ``probe``, ``reply``, ``feed_raw``)
+share one prologue (``_open_turn``) and one epilogue (``_close_turn``). Generation is ``core/engine/generate.py``, undo
+``core/engine/checkpoint.py``, what is stored ``core/engine/persist.py`` (reopening: ``core/engine/reopen.py``), reads
+from other threads (the web UI) ``core/engine/reading.py``."""
 
 from __future__ import annotations
 
@@ -45,10 +45,9 @@ class Session(Feeding, Generation, SessionReads):
         """``system``: the system prompt; "default" uses the template's own default (if it has one), None none.
         ``undo``: keep a copy of the state before each turn so ``undo()`` can take the last one back. ``folder``:
         the stored conversation's files (``resume``); a new conversation with a store gets a new one."""
-        self.model = model
         settings = settings or Settings()
         settings.validate(model.max_positions, model.rotary_error)
-        self.settings = settings
+        self.model, self.settings = model, settings
         self.policy = make_policy(settings.policy, **settings.params)
         self.sampling = (sampling or Sampling()).validate()
         self.seed = seed
@@ -178,6 +177,7 @@ class Session(Feeding, Generation, SessionReads):
         if self.policy.bounded:
             shrunk = not was_bounded or new.budget < old.budget
             if shrunk and self.cache.mean_length > new.budget:
+                self.observe_newest()
                 compress.compress(self, new.budget, "settings")
             self.cache.set_capacity(new.capacity)
         else:
