@@ -117,6 +117,30 @@ def test_a_switch_that_compresses_at_once_chooses_by_attention(tiny, tmp_path, p
     assert any((tensors["rows"] >= 0).any() for tensors, _ in before)  # rows on disk to put back
 
 
+def test_a_policy_switched_in_goes_on_from_the_window_observed(tiny):
+    """A switch to a policy that reads its window, even one that compresses nothing at once, fills the window then:
+    its first compression (often before the next message is read, to make room for it) chooses by attention. From
+    a policy that observed a window, the window goes over as it was (its newest rows, as many as the new one holds);
+    from one that did not, the cache's newest tokens are read again, as they were observed under the policy."""
+    model, settings = tiny("llama"), Settings(policy="cake", budget=60, window=8, slack=6)
+    sessions = {p: Session(model, settings.changed(policy=p), sampling=GREEDY) for p in ("cake", "streaming")}
+    for session in sessions.values():
+        for i in range(4):
+            session.exchange(f"Question {i}: " + "word " * 30 + "?", f"Answer {i}. " + "reply " * 12)
+    cake, evicted = sessions["cake"].observer.mark(), sessions["cake"].evicted_total
+    sessions["cake"].configure(policy="snapkv", params={"obs_window": 16})
+    assert sessions["cake"].evicted_total == evicted  # nothing compressed at the switch
+    taken = sessions["cake"].observer.mark()
+    for li in cake[0]:
+        assert torch.equal(taken[0][li], cake[0][li][-16:]) and torch.equal(taken[1][li], cake[1][li][-16:])
+    streaming = sessions["streaming"]
+    streaming.configure(policy="snapkv")  # every head holds the newest tokens alike: the window's 32 are read again
+    queries, qpos, count, _ = streaming.observer.mark()
+    n = streaming.cache.length
+    assert count == {li: 32 for li in range(len(streaming.cache.layers))}
+    assert all(torch.equal(q, torch.arange(n - 32, n, dtype=torch.float32)) for q in qpos.values())
+
+
 @pytest.mark.parametrize("policy", ATTENTION_POLICIES)
 @pytest.mark.parametrize("groups", ["token", "sentence"])
 def test_bounded_and_compressing(tiny, policy, groups):

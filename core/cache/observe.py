@@ -61,6 +61,15 @@ class Observer:
         self._pending = {}
         self._skip_ring()
 
+    def take_window(self, other: "Observer") -> None:
+        """The newest of the queries ``other`` remembers, as many as this window holds (a policy switched in over
+        another that observed a window goes on from what that one saw)."""
+        queries, qpos, count, scaling = other.mark()
+        for li, q in queries.items():
+            if (n := min(count[li], self.window)) > 0:
+                self._append(li, q[-n:], qpos[li][-n:])
+        self._scaling.update(scaling)
+
     @property
     def observed(self) -> bool:
         """Whether any query is remembered (in the window, or a decode step's not taken into it yet)."""

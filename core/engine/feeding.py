@@ -254,15 +254,20 @@ class Feeding:
             ids = tokens[i: i + compress.MAX_CHUNK]
             self.forward(ids, positions[i: i + ids.numel()], at=torch.arange(start + i, start + i + ids.numel()))
 
-    def observe_newest(self) -> None:
-        """Fill an empty query window by reading the cache's newest tokens again (``obs_window`` of them, or as many
-        as every head holds last): a policy that reads its window (snapkv, tova, cake, headaware), switched in over a
-        cache compressed at once, then chooses by their attention, not by recency alone. The cache is left as it was,
-        bit for bit: the read's keys, values, positions and rows on disk are put back; only the observer learns
-        (and, where it accumulates, each slot the attention those queries gave it)."""
+    def observe_newest(self, before: Observer | None = None) -> None:
+        """Fill an empty query window: with the queries the observer ``before`` it (a policy switched out) remembers,
+        else by reading the cache's newest tokens again (``obs_window`` of them, or as many as every head holds last).
+        A policy that reads its window (snapkv, tova, cake, headaware), switched in mid-chat, then chooses by their
+        attention at its first compression, not by recency alone. The cache is left as it was, bit for bit: the
+        read's keys, values, positions and rows on disk are put back; only the observer learns (and, where it
+        accumulates, each slot the attention those queries gave it)."""
         observer = self.observer
         if observer is None or not observer.window or observer.observed:
             return
+        if before is not None and before.window:
+            observer.take_window(before)
+            if observer.observed:
+                return
         layers = [layer for layer in self.cache.layers if layer.is_initialized]
         if not layers or min(min(layer.lens, default=0) for layer in layers) == 0:
             return
