@@ -141,6 +141,30 @@ def test_a_policy_switched_in_goes_on_from_the_window_observed(tiny):
     assert all(torch.equal(q, torch.arange(n - 32, n, dtype=torch.float32)) for q in qpos.values())
 
 
+@pytest.mark.parametrize("policy", ["tova", "snapkv"])
+def test_a_switch_while_a_reply_streams_leaves_the_reply_as_it_was(tiny, policy):
+    """The window filled mid-reply by reading the newest tokens again (tova's one through the decode step, snapkv's
+    32 in one forward) changes nothing the reply reads: at a budget above the chat, its greedy tokens and the cache
+    are those of the same reply without the switch."""
+    model, sampling = tiny("llama"), Sampling(max_new_tokens=24, temperature=0.0)
+    sessions = [Session(model, Settings(policy="streaming", budget=400), sampling=sampling) for _ in range(2)]
+    for session in sessions:
+        session.exchange("Question: " + "word " * 30 + "?", "Answer. " + "reply " * 12)
+    plain = sessions[0].chat("And then?")
+    stream = sessions[1].reply("And then?")
+    next(stream)
+    next(stream)
+    assert sessions[1]._streaming is not None
+    sessions[1].configure(policy=policy)
+    assert sessions[1].observer.observed
+    for _ in stream:
+        pass
+    switched = sessions[1].history[-1]
+    assert switched.answer == plain.answer and switched.new_tokens == plain.new_tokens == 24
+    for a, b in zip(sessions[0].cache.layers, sessions[1].cache.layers):
+        assert torch.equal(a.padded(a.keys), b.padded(b.keys)) and torch.equal(a.padded(a.values), b.padded(b.values))
+
+
 @pytest.mark.parametrize("policy", ATTENTION_POLICIES)
 @pytest.mark.parametrize("groups", ["token", "sentence"])
 def test_bounded_and_compressing(tiny, policy, groups):
