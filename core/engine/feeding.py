@@ -1,6 +1,6 @@
 """Feeding tokens through the model on top of the cache: a turn's prefill (with recall between a user message and
-what answers it), chunked forwards that compress first when the cache has no room, and the forward itself.
-Mixed into ``Session``."""
+what answers it), chunked forwards that compress first when the cache has no room, the forward itself, and the
+reads of tokens the cache holds or held again (recall's, and a switched-in policy's window). Mixed into ``Session``."""
 
 from __future__ import annotations
 
