@@ -18,6 +18,8 @@ unmodified.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -142,6 +144,39 @@ class KVCache(Cache):
             return None
         return round(sum(layer.nbytes * layer.heads / max(sum(layer.caps), 1) for layer in layers))
 
+    # -- reading the newest tokens again ----------------------------------------------------------------------
+    def newest_shared(self, most: int) -> torch.Tensor:
+        """The absolute positions (ascending, int64, on the host) of the newest tokens that every head of every layer
+        holds as its last slots, in one order: at most ``most``, none in an empty cache."""
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        n = min([most] + [min(layer.lens) for layer in layers]) if layers else 0
+        if n <= 0:
+            return torch.zeros(0, dtype=torch.long)
+        tails = torch.cat([layer.abs_pos.index_select(0, _last(layer, n)).view(-1, n).cpu() for layer in layers])
+        same = (tails == tails[:1]).all(0)
+        k = n if bool(same.all()) else n - 1 - int(torch.nonzero(~same)[-1])
+        return tails[0, n - k:].long()
+
+    @contextmanager
+    def rewound(self, k: int):
+        """Every head's last ``k`` slots given back for a forward that writes the same tokens there again (to observe
+        their queries), then put back as they were, bit for bit: keys, values, positions, rows on disk, statistics
+        and lengths (a statistic that forward started stays)."""
+        layers = [layer for layer in self.layers if layer.is_initialized]
+        slots = [_last(layer, k) for layer in layers]
+        saved = [({name: t.index_select(0, idx) for name, t in layer.per_slot().items()}, list(layer.lens))
+                 for layer, idx in zip(layers, slots)]
+        for layer in layers:
+            layer.lens = [n - k for n in layer.lens]
+        try:
+            yield
+        finally:
+            for layer, idx, (tensors, lens) in zip(layers, slots, saved):
+                now = layer.per_slot()
+                for name, t in tensors.items():
+                    now[name].index_copy_(0, idx, t)
+                layer.lens = lens
+
     # -- snapshots --------------------------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Every used slot's tensors, per layer and head (``{layer}.{head}.{name}``), with each layer's capacities
@@ -233,3 +268,9 @@ class KVCache(Cache):
         named = [layer.head_view(layer.rows, h) for layer in self.layers if layer.is_initialized
                  for h in range(layer.heads)]
         return torch.cat(named).cpu() if named else torch.zeros(0, dtype=torch.int64)
+
+
+def _last(layer: KVLayer, k: int) -> torch.Tensor:
+    """The flat slot indices of each head's last ``k`` held slots ([heads * k], head by head, oldest first)."""
+    ends = torch.tensor(layer.offs) + torch.tensor(layer.lens)
+    return (ends[:, None] - k + torch.arange(k)[None, :]).flatten().to(layer.device)

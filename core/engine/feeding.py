@@ -268,30 +268,10 @@ class Feeding:
             observer.take_window(before)
             if observer.observed:
                 return
-        layers = [layer for layer in self.cache.layers if layer.is_initialized]
-        if not layers or min(min(layer.lens, default=0) for layer in layers) == 0:
-            return
-        n = min([observer.window] + [min(layer.lens) for layer in layers])
-        slots = [(torch.tensor(layer.offs)[:, None] + torch.tensor(layer.lens)[:, None] - n
-                  + torch.arange(n)[None, :]).flatten().to(layer.device) for layer in layers]
-        tails = torch.cat([layer.abs_pos.index_select(0, idx).view(-1, n).cpu() for layer, idx in
-                           zip(layers, slots)])
-        same = (tails == tails[:1]).all(0)  # the newest tokens every head holds last, in one order
-        k = n if bool(same.all()) else n - 1 - int(torch.nonzero(~same)[-1])
-        if k == 0:
-            return
-        slots = [idx.view(-1, n)[:, n - k:].flatten() for idx in slots]
-        saved = [({name: t.index_select(0, idx) for name, t in layer.per_slot().items()}, list(layer.lens))
-                 for layer, idx in zip(layers, slots)]
-        for layer in layers:
-            layer.lens = [m - k for m in layer.lens]
-        positions = tails[0, n - k:].long()
-        self.forward(self.log.column("token")[positions].long(), positions)
-        for layer, idx, (tensors, lens) in zip(layers, slots, saved):
-            per_slot = layer.per_slot()
-            for name, t in tensors.items():
-                per_slot[name].index_copy_(0, idx, t)
-            layer.lens = lens
+        positions = self.cache.newest_shared(observer.window)
+        if positions.numel():
+            with self.cache.rewound(positions.numel()):
+                self.forward(self.log.column("token")[positions].long(), positions)
 
     def make_observer(self, policy) -> Observer | None:
         accumulate, window = "acc" in policy.observes, policy.obs_window
