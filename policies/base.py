@@ -99,6 +99,7 @@ class LayerView:
     valid: torch.Tensor  # [heads, n] bool
     held_keys: torch.Tensor  # [1, heads, m, head_dim]: the layer's own, m <= n its fullest head (``keys``: padded)
     acc: torch.Tensor | None = None  # [heads, n] attention received so far (policies observing "acc")
+    since: torch.Tensor | None = None  # [heads, n] where ``acc`` began to count, where later than the position
     window: torch.Tensor | None = None  # [heads, rows, n] attention of the last queries (observing "window")
     groups: torch.Tensor | None = None  # [heads, n] group id of each slot in sentence/turn mode
     fed: int = 0  # tokens fed so far and the chunk the compression makes room for (the absolute position after it)
@@ -113,6 +114,15 @@ class LayerView:
     def recency(self) -> torch.Tensor:
         """[heads, n] scores that rank newer tokens higher."""
         return self.positions.float()
+
+    @property
+    def seen(self) -> torch.Tensor:
+        """[heads, n] the queries ``acc`` has counted for each slot (at least 1): those from its own position on, or
+        from where its attention began to count when later: recall read it again unobserved, or a policy that
+        observes ``acc`` was switched in over one that did not (core/cache/observe.py ``Observer.restart``). An
+        average over them does not rank a slot low for attention given while nothing counted it."""
+        start = self.positions if self.since is None else torch.maximum(self.positions, self.since)
+        return (self.fed - start).clamp(min=1)
 
 
 class Policy:

@@ -3,9 +3,10 @@
 Every cached token accumulates the attention it receives — from the prefill queries and from every decode step —
 per KV head (the query heads sharing a KV head are averaged). The engine protects the sink and the recent window;
 the rest of the budget goes to the heaviest hitters. ``average`` divides a token's total by the number of queries
-that could see it (kvpress's ObservedAttention), so old tokens do not win by age alone; ``--heavy`` keeps only that
-many heavy hitters and gives the remaining budget to the most recent tokens. Evicted tokens leave memory (the
-reference code only masks them).
+that saw it and were counted (kvpress's ObservedAttention; ``view.seen``: from where recall brought it back, or
+where h2o was switched in, when later), so old tokens do not win by age alone; ``--heavy`` keeps only that many
+heavy hitters and gives the remaining budget to the most recent tokens. Evicted tokens leave memory (the reference
+code only masks them).
 """
 
 import torch
@@ -29,7 +30,9 @@ class H2O(Policy):
             return view.recency
         acc = view.acc
         if self.average:
-            acc = acc / (view.fed - view.positions).clamp(min=1)
+            acc = acc / view.seen
+        elif view.since is not None:  # a slot counted only since then: its total at that rate over its whole time
+            acc = acc / view.seen * (view.fed - view.positions).clamp(min=1)
         acc = acc.masked_fill(~view.valid, float("-inf"))
         if not self.heavy:
             return acc

@@ -151,7 +151,7 @@ class HeadAware(Policy):
         by_class = {"local": recency}  # what the layer's classes need, no more (a GPU launches each operation)
         if "retrieval" in classes:  # attention received, per step a slot has been seen
             acc = view.acc if view.acc is not None else torch.zeros_like(recency)
-            by_class["retrieval"] = acc / (view.fed - view.positions).clamp(min=1)
+            by_class["retrieval"] = acc / view.seen
         if "induction" in classes:
             # uniform samples first (every stride-th held slot, half the budget), then the pattern's key points
             votes = view.window.sum(1)

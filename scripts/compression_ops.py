@@ -92,7 +92,7 @@ def count(tokenizer, layers: int, policy: str, reorder: bool, undo: bool = False
         elif undo:  # the copy every turn takes for undo, and recall takes when its gate declines, put back
             Checkpoint.capture(session).restore(session)
         elif reorder:
-            compress.reorder(session, bring)
+            compress.reorder(session)
         else:
             compress.compress(session, 64, "decode")
     return counter

@@ -117,6 +117,49 @@ def test_a_switch_that_compresses_at_once_chooses_by_attention(tiny, tmp_path, p
     assert any((tensors["rows"] >= 0).any() for tensors, _ in before)  # rows on disk to put back
 
 
+@pytest.mark.parametrize("policy", ["h2o", "headaware"])
+def test_a_policy_that_counts_attention_switched_in_counts_it_from_the_newest_tokens(tiny, policy):
+    """Switched in over a policy that counted no attention, h2o (and headaware's retrieval heads) count it afresh: the
+    cache's newest ``ACC_SEED`` tokens are read again, and every slot holds the attention their queries gave it, as a
+    session that ran the policy all along gained from them, counted from there (``since``): an average divides by the
+    queries counted, not by the slot's age. What an earlier run of it counted is dropped; a change of its parameters
+    keeps what it counted. At a smaller budget it then chooses by that, not the newest tokens alone."""
+    from kvchat.core.cache.compress import layer_view
+    from kvchat.core.engine.feeding import ACC_SEED
+
+    model, ids = tiny("llama"), list(range(20, 220))
+    cut = len(ids) - ACC_SEED
+    ran = Session(model, Settings(policy=policy, budget=400), system=None)
+    ran.feed_raw(ids[:cut], score=False)
+    counted = [layer.padded(layer.stats["acc"]).clone() for layer in ran.cache.layers]
+    ran.feed_raw(ids[cut:], score=False)
+    again = Session(model, Settings(policy=policy, budget=400), system=None)  # counted before, then a pause
+    again.feed_raw(ids, score=False)
+    again.configure(policy="streaming")
+    again.configure(policy=policy)
+    switched = Session(model, Settings(policy="full"), system=None)
+    switched.feed_raw(ids, score=False)
+    switched.configure(policy=policy, budget=400)
+    assert switched.evicted_total == 0
+    for a, b, c, before in zip(ran.cache.layers, switched.cache.layers, again.cache.layers, counted):
+        gained = a.padded(a.stats["acc"]) - F.pad(before, (0, ACC_SEED))
+        assert torch.allclose(b.padded(b.stats["acc"]), gained, atol=1e-5)
+        assert torch.equal(c.padded(c.stats["acc"]), b.padded(b.stats["acc"]))
+        assert (b.padded(b.stats["since"]) == cut).all() and "since" not in a.stats
+    view = layer_view(switched, 0, switched.cache.layers[0], switched.cache.layers[0].valid(), None, len(ids))
+    assert torch.equal(view.seen, (len(ids) - view.positions).clamp(max=ACC_SEED))
+    acc = [layer.stats["acc"].clone() for layer in ran.cache.layers]
+    ran.configure(params={"heavy": 8} if policy == "h2o" else {"alpha_r": 2.0})
+    assert all(torch.equal(layer.stats["acc"], a) for layer, a in zip(ran.cache.layers, acc))
+
+    small = Session(model, Settings(policy="full"), system=None)
+    small.feed_raw(ids, score=False)
+    small.configure(policy=policy, budget=60, window=8, slack=6)
+    chosen = [[p for p in head.tolist() if p >= small.settings.sink] for layer in small.cache.layers
+              for head in layer.positions()]
+    assert small.evicted_total > 0 and any(c != list(range(len(ids) - len(c), len(ids))) for c in chosen)
+
+
 def test_a_policy_switched_in_goes_on_from_the_window_observed(tiny):
     """A switch to a policy that reads its window, even one that compresses nothing at once, fills the window then:
     its first compression (often before the next message is read, to make room for it) chooses by attention. From
@@ -199,6 +242,24 @@ def test_h2o_keeps_an_old_token_every_query_attends_to():
     heavy = make_policy("h2o", heavy=1)
     keep = select_keep(heavy.score(view), 6, torch.zeros(1, 20, dtype=torch.bool))
     assert keep[0].tolist() == [2, 15, 16, 17, 18, 19]  # the heavy hitter, then the most recent
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_h2o_judges_a_slot_counted_only_lately_by_the_attention_counted(average):
+    """A slot whose attention began to count after its position (recall read it again, or h2o was switched in):
+    averaged over the queries counted, or summed at that rate over its whole time, never ranked low for the time
+    nothing counted it. Slot 2 drew 0.5 a query over the last 5 queries; slot 10, 0.2 over its 10."""
+    acc, since = torch.full((1, 20), 0.1), torch.zeros(1, 20, dtype=torch.long)
+    acc[0, 2], since[0, 2], acc[0, 10] = 2.5, 15, 2.0
+    view = _view(acc=acc, fed=20)
+    view.since = since
+    policy = make_policy("h2o", average=average)
+    scores = policy.score(view)
+    assert math.isclose(float(scores[0, 2]), 0.5 if average else 0.5 * 18, rel_tol=1e-6)
+    assert math.isclose(float(scores[0, 10]), 0.2 if average else 2.0, rel_tol=1e-6)
+    if average:  # counted from its position instead: slot 2's 2.5 over 18 queries, below slot 10's 0.2 a query
+        view.since = None
+        assert float(policy.score(view)[0, 2]) < float(policy.score(view)[0, 10])
 
 
 @pytest.mark.parametrize("policy", ["h2o", "headaware"])

@@ -120,13 +120,14 @@ def test_recalled_keys_are_rotated_once_to_their_place_in_conversation_order(tin
     session = Session(tiny("llama"), _settings(policy="h2o", positions=positions), store=Store(tmp_path / "k.db"),
                       sampling=GREEDY)
     _chat(session)
-    checked = []
-    real = compress.reorder
+    checked, read = [], []
+    real, read_again = compress.reorder, session.read_again
+    session.read_again = lambda positions, end=None: (read.append(positions), read_again(positions, end))
 
-    def reorder(sess, brought):
-        real(sess, brought)
+    def reorder(sess):
+        real(sess)
         _assert_keys_rotated_once(sess)
-        layer = sess.cache.layers[0]
+        brought, layer = read[-1], sess.cache.layers[0]
         mine = torch.isin(layer.head_view(layer.abs_pos, 0), brought)
         moved = layer.head_view(layer.computed, 0)[mine] != layer.head_view(layer.abs_pos, 0)[mine]
         checked.append(bool(mine.sum() == brought.numel()) and bool(moved.all()))
@@ -780,9 +781,11 @@ def test_recall_takes_ids_past_the_tokenizer_from_a_padded_vocabulary(tokenizer,
 
 
 @pytest.mark.parametrize("policy", ["h2o", "headaware"])  # h2o: a statistic per slot; headaware: heads' own lengths
-def test_reorder_puts_recalled_slots_in_place_with_the_median_statistic(policy, tiny):
+def test_reorder_puts_recalled_slots_in_place_counting_their_attention_from_the_read(policy, tiny):
     """``compress.reorder`` after recall read text again at the end of the cache: every head's slots in conversation
-    order, the others' statistics kept, a recalled slot's the lower median of the head's others."""
+    order, the others' statistics kept; a recalled slot has received no attention counted yet (``acc`` 0) and its
+    attention counts from the read's end on (``since``: the token log's end), so an average over the queries counted
+    (``LayerView.seen``) is not taken over the time it was evicted."""
     from kvchat.core.cache import compress
 
     session = Session(tiny("llama"), _settings(policy=policy, budget=40), system=None)
@@ -794,19 +797,23 @@ def test_reorder_puts_recalled_slots_in_place_with_the_median_statistic(policy, 
     for layer in session.cache.layers:
         before.append([({int(p): {name: float(layer.head_view(t, h)[i]) for name, t in layer.stats.items()}
                          for i, p in enumerate(layer.head_view(layer.abs_pos, h).tolist())}) for h in range(layer.heads)])
+    assert all("since" not in s for heads in before for stats in heads for s in stats.values())
     session.read_again(bring)
-    compress.reorder(session, bring)
+    compress.reorder(session)
     _assert_keys_rotated_once(session)
     for layer, heads in zip(session.cache.layers, before):
+        assert set(layer.stats) == {"acc", "since"}
         for h, stats in enumerate(heads):
             pos = layer.head_view(layer.abs_pos, h).tolist()
             assert pos == sorted(set(stats) | set(bring.tolist()))
-            for name, t in layer.stats.items():
-                values = sorted(s[name] for s in stats.values())
-                fill = values[(len(values) - 1) // 2] if values else 0.0
-                got = layer.head_view(t, h).tolist()
-                assert got == [stats[p][name] if p in stats else fill for p in pos]
-    assert policy != "h2o" or "acc" in session.cache.layers[0].stats
+            acc, since = (layer.head_view(layer.stats[name], h).tolist() for name in ("acc", "since"))
+            assert acc == [stats[p]["acc"] if p in stats else 0.0 for p in pos]
+            assert since == [0.0 if p in stats else 120.0 for p in pos]
+    view = compress.layer_view(session, 0, session.cache.layers[0], session.cache.layers[0].valid(), None,
+                               session.cache.layers[0].length)
+    seen = view.seen[view.valid].tolist()
+    mine = torch.isin(view.positions, bring)[view.valid].tolist()
+    assert all(n == (1 if m else 120 - p) for n, m, p in zip(seen, mine, view.positions[view.valid].tolist()))
 
 
 @pytest.mark.gate

@@ -126,23 +126,6 @@ def test_a_compression_gathers_layers_that_left_their_slab_back_into_one():
     assert cache.layers[1].slab is first and first.size == 8 + 8 + 10 + 10
 
 
-@pytest.mark.parametrize("ragged", [False, True])
-def test_set_padded_writes_each_heads_held_slots_back(ragged):
-    """``KVLayer.set_padded`` (recall's reorder writes the statistics so): what ``padded`` read, changed, lands in each
-    head's held slots, and nothing past them moves — for heads of one length and capacity, and for ragged ones."""
-    cache, _ = _filled(1, 3, 6, [8, 8, 8])
-    layer = cache.layers[0]
-    if ragged:
-        layer.keep([torch.arange(6), torch.tensor([1, 4]), torch.tensor([0, 2, 5])], caps=[8, 5, 9])
-    acc = layer.stats["acc"]
-    before = acc.clone()
-    layer.set_padded(acc, layer.padded(acc) * 2 + 1)
-    for h in range(3):
-        a, n = layer.offs[h], layer.lens[h]
-        assert torch.equal(acc[a: a + n], before[a: a + n] * 2 + 1)
-        assert torch.equal(acc[a + n: a + layer.caps[h]], before[a + n: a + layer.caps[h]])
-
-
 @pytest.mark.parametrize("policy", ["streaming", "h2o"])  # h2o: a statistic made after the layers' first buffers
 def test_a_new_caches_layers_share_one_slab_and_the_first_compression_moves_in_place(policy, tokenizer):
     """A bounded cache's layers take their first buffers from one slab (and H2O's statistic from the same), so the

@@ -215,11 +215,12 @@ def groups_given_up(plan: Plan) -> torch.Tensor:
     return held - distinct(ids[plan.index[0, :plan.kept[0]].to(ids.device)])
 
 
-def reorder(session, brought: torch.Tensor) -> None:
-    """Every head's slots back in conversation order after recall read the positions ``brought`` again at the end
-    of the cache: each key rotated once from where it was computed to its slot (``rerotate``) or to its absolute
-    position (``original``); the brought slots start each statistic at the median of the head's other slots (the
-    lower middle one; 0 for a head that has none). Every head of every layer at once: no host sync per head."""
+def reorder(session) -> None:
+    """Every head's slots back in conversation order after recall read positions again at the end of the cache: each
+    key rotated once from where it was computed to its slot (``rerotate``) or to its absolute position
+    (``original``); the slots read again keep the statistics the read left them (an accumulating observer counts
+    their attention from the read's end on: ``Observer.unobserved``). Every head of every layer at once: no host sync
+    per head."""
     rotary = session.model.rotary
     original = session.settings.positions == "original"
     layers = [layer for layer in session.cache.layers if layer.is_initialized]
@@ -227,14 +228,6 @@ def reorder(session, brought: torch.Tensor) -> None:
     orders = []
     for layer in layers:
         positions, valid = layer.positions(), layer.valid()
-        mine = torch.isin(positions, brought.to(layer.device)) & valid
-        others = valid & ~mine
-        count = others.sum(1, keepdim=True)
-        for name, t in layer.stats.items():
-            stat = layer.padded(t)
-            ranked = stat.masked_fill(~others, float("inf")).sort(dim=1).values
-            median = ranked.gather(1, ((count - 1) // 2).clamp(min=0)).masked_fill(count == 0, 0.0)
-            layer.set_padded(t, torch.where(mine, median.to(stat.dtype), stat))
         big = torch.iinfo(positions.dtype).max  # slots past a head's length after every held one
         orders.append(torch.argsort(positions.masked_fill(~valid, big), dim=1, stable=True))
     slab.move(layers, orders, [list(layer.lens) for layer in layers], None if original else rotary,
@@ -326,7 +319,13 @@ def layer_view(session, li: int, layer, valid: torch.Tensor, window: torch.Tenso
         positions = torch.nn.functional.pad(positions, (0, width - positions.shape[1]), value=-1)
     view = LayerView(li, positions, valid, layer.keys_dense(), fed=session.log.n - session.unread)
     if "acc" in session.policy.observes and "acc" in layer.stats:
-        acc = layer.padded(layer.stats["acc"])
-        view.acc = acc if acc.shape[1] == width else torch.nn.functional.pad(acc, (0, width - acc.shape[1]))
+        view.acc = _padded_stat(layer, "acc", width)
+        if "since" in layer.stats:  # where attention began to count, where later than a slot's position
+            view.since = _padded_stat(layer, "since", width).to(positions.dtype)
     view.window = window
     return view
+
+
+def _padded_stat(layer, name: str, width: int) -> torch.Tensor:
+    t = layer.padded(layer.stats[name])
+    return t if t.shape[1] == width else torch.nn.functional.pad(t, (0, width - t.shape[1]))

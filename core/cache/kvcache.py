@@ -177,6 +177,22 @@ class KVCache(Cache):
                     now[name].index_copy_(0, idx, t)
                 layer.lens = lens
 
+    def restart_stat(self, name: str) -> None:
+        """Statistic ``name`` dropped from every layer: the next forward that keeps it starts it at zeros."""
+        for layer in self.layers:
+            if layer.stats.pop(name, None) is not None:
+                layer.version += 1  # a graph captured over it is stale
+
+    def fill_stat(self, name: str, value: float, last: int | None = None) -> None:
+        """Per-slot statistic ``name`` set to ``value`` in every layer: in every slot, or in each head's ``last``."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                stat = layer.ensure_stat(name)
+                if last is None:
+                    stat.fill_(value)
+                elif last > 0:
+                    stat.index_fill_(0, _last(layer, last), value)
+
     # -- snapshots --------------------------------------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Every used slot's tensors, per layer and head (``{layer}.{head}.{name}``), with each layer's capacities

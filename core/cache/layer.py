@@ -19,7 +19,6 @@ compression). The interface transformers calls is ``update``; the engine calls `
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -270,17 +269,6 @@ class KVLayer(CacheLayerMixin):
         for h in range(self.heads):
             out[h, : self.lens[h]] = self.head_view(t, h)
         return out
-
-    def set_padded(self, t: torch.Tensor, padded: torch.Tensor) -> None:
-        """Write ``padded`` ([heads, max_len, ...], as ``padded`` gives a per-slot tensor) back into ``t``: each head's
-        held slots, one copy for all heads."""
-        if self.uniform:
-            t.view(self.heads, self.caps[0], *t.shape[1:])[:, : self.lens[0]].copy_(padded)
-            return
-        heads, j = slabs.places(self.lens)
-        at = torch.from_numpy(np.stack([heads * padded.shape[1] + j, np.asarray(self.offs)[heads] + j]))
-        at = at.to(t.device)
-        t.index_copy_(0, at[1], padded.reshape(-1, *t.shape[1:]).index_select(0, at[0]))
 
     def valid(self) -> torch.Tensor:
         """[heads, max_len] True where a head holds a position."""

@@ -5,6 +5,9 @@ Two statistics, each only when the running policy asks for it:
 * ``acc`` (H2O): per cached slot, the attention it has received from every query so far — prefill queries and
   every decode step — averaged over the query heads that share its KV head. Kept in the cache layer as a per-slot
   statistic, so it is gathered along with the keys at every eviction. 4 bytes per slot and head.
+  Where a slot's attention began to count later than its position — recall read it again unobserved, or a policy
+  that observes ``acc`` was switched in over one that did not — the statistic ``since`` holds where (``restart``,
+  ``unobserved``), so that an average over the queries counted (``LayerView.seen``) is fair to it.
 * ``window`` (SnapKV, CAKE, head-aware, TOVA with a window of 1): the last ``obs_window`` query vectors of every
   layer (a fixed [window, query heads, dim] buffer, whatever the cache length). At a compression their attention
   over the current keys is computed once: the queries are moved (RoPE) to the last ``window`` positions, so they
@@ -69,6 +72,18 @@ class Observer:
             if (n := min(count[li], self.window)) > 0:
                 self._append(li, q[-n:], qpos[li][-n:])
         self._scaling.update(scaling)
+
+    def restart(self, since: int) -> None:
+        """Attention received counts afresh from the absolute position ``since`` on (this observer accumulates, and
+        the one before it did not): every slot's ``acc`` dropped, to start again at zeros, and its ``since`` set."""
+        self.cache.restart_stat("acc")
+        self.cache.fill_stat("since", since)
+
+    def unobserved(self, k: int, since: int) -> None:
+        """Each head's newest ``k`` slots were written with no observer (recall read them again): where this observer
+        accumulates, their attention counts from the absolute position ``since`` on."""
+        if self.accumulate:
+            self.cache.fill_stat("since", since, last=k)
 
     @property
     def observed(self) -> bool:

@@ -18,6 +18,9 @@ from ..recall.score import QueryTap
 from .tokens import encode, encode_parts
 from .turns import ReadStopped, TurnResult, stage
 
+#: The newest tokens read again for a policy that accumulates attention switched in with no window of its own (h2o):
+#: the attention of their queries is what it first chooses by.
+ACC_SEED = 32
 STOPPABLE = compress.MAX_CHUNK  # a user message longer than one forward can be stopped while it is read
 
 
@@ -248,30 +251,45 @@ class Feeding:
         at the positions after the cache's last ones with the cache as it is before them and unobserved; the
         caller made room for them and puts them back in conversation order (``compress.reorder``). ``end``: the
         absolute position after the cache's last one (the token log's end unless the log runs ahead of the cache)."""
-        tokens = self.log.column("token")[positions].long()
-        start = (self.log.n if end is None else end) if self.settings.positions == "original" else self.cache.length
+        tokens, after = self.log.column("token")[positions].long(), self.log.n if end is None else end
+        start = after if self.settings.positions == "original" else self.cache.length
         for i in range(0, positions.numel(), compress.MAX_CHUNK):
             ids = tokens[i: i + compress.MAX_CHUNK]
             self.forward(ids, positions[i: i + ids.numel()], at=torch.arange(start + i, start + i + ids.numel()))
+        if self.observer is not None:
+            self.observer.unobserved(positions.numel(), after)  # their attention counts from the next query on
 
     def observe_newest(self, before: Observer | None = None) -> None:
-        """Fill an empty query window: with the queries the observer ``before`` it (a policy switched out) remembers,
-        else by reading the cache's newest tokens again (``obs_window`` of them, or as many as every head holds last).
-        A policy that reads its window (snapkv, tova, cake, headaware), switched in mid-chat, then chooses by their
-        attention at its first compression, not by recency alone. The cache is left as it was, bit for bit: the
-        read's keys, values, positions and rows on disk are put back; only the observer learns (and, where it
-        accumulates, each slot the attention those queries gave it)."""
+        """What a policy switched in over the observer ``before`` (or a window left empty) reads first, from what the
+        cache holds now. An empty query window is filled with the queries ``before`` remembers, else by reading the
+        cache's newest tokens again (``obs_window`` of them, or as many as every head holds last). Attention received
+        (``acc``), where ``before`` kept none, counts afresh from the newest ``ACC_SEED`` tokens read again
+        (``Observer.restart``). A policy that reads attention (snapkv, tova, cake, headaware, h2o), switched in
+        mid-chat, then chooses by it at its first compression, not by recency alone. The cache is left as it was,
+        bit for bit: the read's keys, values, positions and rows on disk are put back; only the observer learns
+        (and, where it accumulates afresh, each slot the attention those queries gave it)."""
         observer = self.observer
-        if observer is None or not observer.window or observer.observed:
+        if observer is None:
             return
-        if before is not None and before.window:
-            observer.take_window(before)
-            if observer.observed:
+        switched = before is not observer
+        restart = switched and observer.accumulate and not (before is not None and before.accumulate)
+        if not restart:
+            if not observer.window or observer.observed:
                 return
-        positions = self.cache.newest_shared(observer.window)
+            if switched and before is not None and before.window:
+                observer.take_window(before)
+                if observer.observed:
+                    return
+        positions = self.cache.newest_shared(observer.window or ACC_SEED)
+        if restart:
+            observer.restart(self.log.n - self.unread - positions.numel())
         if positions.numel():
-            with self.cache.rewound(positions.numel()):
-                self.forward(self.log.column("token")[positions].long(), positions)
+            accumulate, observer.accumulate = observer.accumulate, restart  # attention counted once
+            try:
+                with self.cache.rewound(positions.numel()):
+                    self.forward(self.log.column("token")[positions].long(), positions)
+            finally:
+                observer.accumulate = accumulate
 
     def make_observer(self, policy) -> Observer | None:
         accumulate, window = "acc" in policy.observes, policy.obs_window

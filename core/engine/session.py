@@ -168,13 +168,13 @@ class Session(Feeding, Generation, SessionReads):
 
     def _apply_settings(self, new: Settings) -> None:
         """Another policy, or other parameters, get a new policy and observer; the same keep what it learned."""
-        old, was_bounded, self.settings, before = self.settings, self.policy.bounded, new, None
+        old, was_bounded, self.settings, before = self.settings, self.policy.bounded, new, self.observer
         if (old.policy, old.params) != (new.policy, new.params):
             self.policy = make_policy(new.policy, **new.params)
-            before, self.observer = self.observer, self.make_observer(self.policy)
+            self.observer = self.make_observer(self.policy)
         if old.positions != new.positions:
             convert_positions(self.cache, self.model.rotary, new.positions)
-        self.observe_newest(before)  # a window switched in (or left empty) is filled before it is read
+        self.observe_newest(before)  # what a policy switched in reads (or a window left empty) is filled first
         if self.policy.bounded:
             shrunk = not was_bounded or new.budget < old.budget
             if shrunk and self.cache.mean_length > new.budget:

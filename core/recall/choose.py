@@ -173,5 +173,5 @@ def bring_back(session, bring: torch.Tensor, end: int | None = None) -> None:
     (the token log's end unless a long message is read again from part way: ``core/engine/checkpoint.TailMark``)."""
     compress.compress(session, session.settings.budget, "recall", drop=bring, room=bring.numel())
     session.read_again(bring, end)
-    compress.reorder(session, bring)
+    compress.reorder(session)
     session.recall_guard = torch.cat([session.recall_guard, bring])
