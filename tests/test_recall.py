@@ -797,7 +797,7 @@ def test_reorder_puts_recalled_slots_in_place_counting_their_attention_from_the_
     for layer in session.cache.layers:
         before.append([({int(p): {name: float(layer.head_view(t, h)[i]) for name, t in layer.stats.items()}
                          for i, p in enumerate(layer.head_view(layer.abs_pos, h).tolist())}) for h in range(layer.heads)])
-    assert all("since" not in s for heads in before for stats in heads for s in stats.values())
+    assert all(s["since"] == 0 for heads in before for stats in heads for s in stats.values())  # from its position
     session.read_again(bring)
     compress.reorder(session)
     _assert_keys_rotated_once(session)
@@ -808,7 +808,7 @@ def test_reorder_puts_recalled_slots_in_place_counting_their_attention_from_the_
             assert pos == sorted(set(stats) | set(bring.tolist()))
             acc, since = (layer.head_view(layer.stats[name], h).tolist() for name in ("acc", "since"))
             assert acc == [stats[p]["acc"] if p in stats else 0.0 for p in pos]
-            assert since == [0.0 if p in stats else 120.0 for p in pos]
+            assert since == [stats[p]["since"] if p in stats else 120.0 for p in pos]
     view = compress.layer_view(session, 0, session.cache.layers[0], session.cache.layers[0].valid(), None,
                                session.cache.layers[0].length)
     seen = view.seen[view.valid].tolist()

@@ -4,10 +4,10 @@ Two statistics, each only when the running policy asks for it:
 
 * ``acc`` (H2O): per cached slot, the attention it has received from every query so far — prefill queries and
   every decode step — averaged over the query heads that share its KV head. Kept in the cache layer as a per-slot
-  statistic, so it is gathered along with the keys at every eviction. 4 bytes per slot and head.
-  Where a slot's attention began to count later than its position — recall read it again unobserved, or a policy
-  that observes ``acc`` was switched in over one that did not — the statistic ``since`` holds where (``restart``,
-  ``unobserved``), so that an average over the queries counted (``LayerView.seen``) is fair to it.
+  statistic, so it is gathered along with the keys at every eviction. Beside it, ``since``: where a slot's attention
+  began to count, where later than its position — recall read it again unobserved, or a policy that observes
+  ``acc`` was switched in over one that did not (``unobserved``, ``restart``) — so that an average over the queries
+  counted (``LayerView.seen``) is fair to it. 8 bytes per slot and head, the two made together (``counted``).
 * ``window`` (SnapKV, CAKE, head-aware, TOVA with a window of 1): the last ``obs_window`` query vectors of every
   layer (a fixed [window, query heads, dim] buffer, whatever the cache length). At a compression their attention
   over the current keys is computed once: the queries are moved (RoPE) to the last ``window`` positions, so they
@@ -33,6 +33,13 @@ from .positions import Rotary
 #: the most key elements the window's product over several layers copies at once in fp32 (256 MiB): more layers go
 #: in further products (an 8B model's 32 layers at budget 4096 in three)
 WINDOW_KEYS = 1 << 26
+
+
+def counted(layer) -> torch.Tensor:
+    """The layer's ``acc``, with ``since`` made beside it (zeros: counted from each slot's position), so that a slab,
+    a graph step's plan and the memory a session reserves hold both from the first count on."""
+    layer.ensure_stat("since")
+    return layer.ensure_stat("acc")
 
 
 class Observer:
@@ -138,7 +145,7 @@ class Observer:
         """The per-slot statistic a decode step that computes attention's probabilities itself may add them to
         (each slot's, averaged over its KV head's query heads, as ``_accumulate`` adds them), then calling this
         observer with ``summed``: ``acc`` when this observer keeps it, else None."""
-        return layer.ensure_stat("acc") if self.accumulate else None
+        return counted(layer) if self.accumulate else None
 
     def ring_written(self, ring) -> None:
         """The graph step wrote one more decode step's query of every layer into ``ring`` (its row ``total - 1``),
@@ -208,7 +215,7 @@ class Observer:
         self._count[layer_idx] = min(w, self._count[layer_idx] + take)
 
     def _accumulate(self, layer, query: torch.Tensor, key, scaling: float, probs=None) -> None:
-        acc = layer.ensure_stat("acc")
+        acc = counted(layer)
         heads = layer.heads
         groups = query.shape[1] // heads
         q = query.shape[2]

@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cache.observe import counted
 from . import graph_triton
 from .eager import DecodeStep
 from .graph_layer import layer as _layer, norm_of as _norm_of
@@ -294,7 +295,7 @@ class GraphStep(DecodeStep):
         accumulate = observer is not None and observer.accumulate
         if accumulate:
             for layer in cache.layers:
-                layer.ensure_stat("acc")
+                counted(layer)
             key = self._key(cache, observer)
         return _Plan(key, host, torch.zeros(INPUTS, dtype=torch.int64, device=dev), lens, offs, slots, gather,
                      accumulate, ring)
