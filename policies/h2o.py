@@ -31,8 +31,8 @@ class H2O(Policy):
         acc = view.acc
         if self.average:
             acc = acc / view.seen
-        elif view.since is not None:  # a slot counted only lately: its total at that rate over its whole time (x1.0
-            acc = acc * ((view.fed - view.positions).clamp(min=1) / view.seen)  # where counted from its position)
+        elif view.since is not None:  # a slot counted only lately: its total at that rate over its whole time
+            acc = acc * ((view.fed - view.positions).clamp(min=1) / view.seen)  # exactly x1 where counted all along
         acc = acc.masked_fill(~view.valid, float("-inf"))
         if not self.heavy:
             return acc
