@@ -33,8 +33,9 @@ from kvchat.core.engine.settings import Settings
 from kvchat.core.model import loading as models
 
 
-def held(session) -> list[torch.Tensor]:
-    return [layer.head_view(layer.abs_pos, h)[: layer.lens[h]] for layer in session.cache.layers
+def held(session) -> list[set[int]]:
+    """Each (layer, KV head)'s held positions."""
+    return [set(layer.head_view(layer.abs_pos, h)[: layer.lens[h]].tolist()) for layer in session.cache.layers
             for h in range(layer.heads)]
 
 
@@ -61,7 +62,7 @@ def switch(model, pairs, args, case: int) -> tuple:
             session.exchange(user[:200], reply[:200])
         out.append((session, session.probe(question, answer.format(v=v), v).expect_nll))
     (ran, nll_ran), (switched, nll_switched) = out
-    a, b = [set(t.tolist()) for t in held(ran)], [set(t.tolist()) for t in held(switched)]
+    a, b = held(ran), held(switched)
     newest = set(range(switched.log.n - 300, switched.log.n))
     return (nll_ran, nll_switched, sum(len(x & y) / len(x | y) for x, y in zip(a, b)) / len(a),
             sum(len(y & newest) / len(y) for y in b) / len(b))
@@ -84,8 +85,7 @@ def recall(model, pairs, args, case: int) -> tuple:
             user, reply = pairs[k % len(pairs)]
             session.exchange(user[:400], reply[:400])
             k += 1
-        shares.append(sum(torch.isin(recalled, h).float().mean().item() for h in held(session)) / len(held(session))
-                      if recalled.numel() else 0.0)
+        shares.append(session.held_fraction()[recalled].mean().item() if recalled.numel() else 0.0)
     return (recalled.numel(), *shares)
 
 

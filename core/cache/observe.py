@@ -37,8 +37,10 @@ WINDOW_KEYS = 1 << 26
 
 def counted(layer) -> torch.Tensor:
     """The layer's ``acc``, with ``since`` made beside it (zeros: counted from each slot's position), so that a slab,
-    a graph step's plan and the memory a session reserves hold both from the first count on."""
-    layer.ensure_stat("since")
+    a graph step's plan and the memory a session reserves hold both from the first count on. Called by every decode
+    step: one lookup for ``since`` once made (a new capacity carries every statistic over)."""
+    if "since" not in layer.stats:
+        layer.ensure_stat("since")
     return layer.ensure_stat("acc")
 
 
