@@ -137,6 +137,16 @@ def settings_text(values: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in items)
 
 
+def apply_settings(session, cache: dict, sampling: dict) -> dict:
+    """Cache changes (``Session.configure``'s, which checks the combination) and sampling changes applied to a live
+    session, as ``/set`` and a replay's set line make them; nothing applied if either is bad (ValueError). What
+    changed."""
+    new_sampling = session.sampling.changed(**sampling)
+    applied = session.configure(**cache) if cache else {}
+    before, session.sampling = session.sampling, new_sampling
+    return {**applied, **{k: v for k, v in new_sampling.as_dict().items() if getattr(before, k) != v}}
+
+
 def resumed_changes(args, settings: Settings) -> dict:
     """The cache flags given with ``--resume``, as changes to the resumed conversation's ``settings`` for
     ``Session.configure`` (as ``/policy`` and ``/set`` make them; its policy's parameters kept unless the policy

@@ -72,7 +72,9 @@ def cmd_conversations(args) -> int:
         raise CLIError(f"conversations {args.action} needs a conversation id")
     store = Store(path)
     if args.action == "export":
-        lines = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in store.export_replay(args.id))
+        from .scripts import export_script
+
+        lines = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in export_script(store, args.id))
         if args.output:
             Path(args.output).write_text(lines, encoding="utf-8")
         else:
@@ -110,7 +112,8 @@ def cmd_replay(args) -> int:
 
     from ..core.engine.session import Session
     from ..storage.db import Store
-    from .replay import Summary, load_scripts, run_step, stored_prefix, turn_line
+    from .replay import Summary, check_switches, run_step, stored_prefix, switched, turn_line
+    from .scripts import load_scripts
 
     scripts = [s for path in args.scripts for s in load_scripts(path)]
     if args.compare is not None:
@@ -123,13 +126,16 @@ def cmd_replay(args) -> int:
                        "without --no-save")
     check_resume(args)
     settings, sampling, model = prepare(args, check_settings=args.resume is None)  # resumed: checked as applied
+    if args.resume is None:
+        for script in scripts:
+            check_switches(script, settings, model.max_positions, model.rotary_error)
     store = None if args.no_save else Store(db_path(args.db))
     done = 0
     if args.resume is not None:
         done = stored_prefix(scripts[0], store, args.resume, model.chat.default_system)
     overall = Summary()
-    n_steps = sum(len(s.steps) for s in scripts) - done
-    bar = tqdm(total=n_steps, disable=args.json, file=sys.stderr, unit="turn")
+    bar = tqdm(total=sum(step.turn for s in scripts for step in s.steps[done:]), disable=args.json, file=sys.stderr,
+               unit="turn")
     if not args.json:
         tqdm.write("  # turn prompt   new  cache  cache_MB evicted prefill  ms/tok  answer", file=sys.stderr)
     session = None
@@ -137,8 +143,7 @@ def cmd_replay(args) -> int:
         if args.resume is not None:
             session = Session.resume(model, store, args.resume, sampling=sampling)
             try:
-                if applied := session.configure(**resumed_changes(args, session.settings)):
-                    tqdm.write(f"changed from its stored settings: {settings_text(applied)}", file=sys.stderr)
+                _resumed_settings(args, session, script, done)
             except BaseException:
                 session.close()
                 raise
@@ -148,6 +153,13 @@ def cmd_replay(args) -> int:
         summary = Summary()
         try:
             for step in script.steps[done:]:
+                if step.kind == "set":
+                    applied = switched(session, step)
+                    if args.json:
+                        print(json.dumps({"script": script.name, "line": step.where, "set": applied}), flush=True)
+                    else:
+                        tqdm.write(f"  set at {step.where}: {settings_text(applied) or 'no change'}", file=sys.stderr)
+                    continue
                 res = run_step(session, step, {})
                 summary.add(res)
                 overall.add(res)
@@ -172,6 +184,24 @@ def cmd_replay(args) -> int:
     final = {"summary": overall.as_dict(session)}
     print(json.dumps(final) if args.json else _human_summary(final["summary"]), flush=True)
     return 0
+
+
+def _resumed_settings(args, session, script, done: int) -> None:
+    """A resumed replay's settings: the cache flags given, changed by the script's set lines before where it goes
+    on (so the command that was interrupted, ``--resume`` added, changes nothing), its set lines after that checked
+    from there."""
+    from tqdm import tqdm
+
+    from .replay import check_switches, replayed_settings
+
+    stored, model = session.settings, session.model
+    target, sampling = replayed_settings(script, done, stored.changed(**resumed_changes(args, stored)),
+                                         session.sampling)
+    target.validate(model.max_positions, model.rotary_error)
+    check_switches(script, target, model.max_positions, model.rotary_error, start=done)
+    session.sampling = sampling
+    if applied := session.configure(**stored.changes_to(target)):
+        tqdm.write(f"changed from its stored settings: {settings_text(applied)}", file=sys.stderr)
 
 
 def _human_summary(s: dict) -> str:

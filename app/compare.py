@@ -14,7 +14,7 @@ from ..core.engine.session import Session
 from ..core.engine.settings import SETTINGS, Settings
 from ..policies import POLICIES, policy_class
 from .args import CLIError, given_params, given_settings, parse_setting
-from .replay import Summary, run_step, turn_line
+from .replay import Summary, check_switches, run_step, switched, turn_line
 
 
 def compared_settings(args) -> list[tuple[str, Settings]]:
@@ -68,11 +68,13 @@ def run(args, scripts, compared: list[tuple[str, Settings]], sampling, model) ->
     for label, settings in compared:
         try:
             settings.validate(model.max_positions, model.rotary_error)
+            for script in scripts:
+                check_switches(script, settings, model.max_positions, model.rotary_error, compared=True)
         except ValueError as exc:
             raise CLIError(f"--compare {label}: {exc}") from None
     rows, answers = [], []
-    bar = tqdm(total=len(compared) * sum(len(s.steps) for s in scripts), disable=args.json, file=sys.stderr,
-               unit="turn")
+    bar = tqdm(total=len(compared) * sum(step.turn for s in scripts for step in s.steps), disable=args.json,
+               file=sys.stderr, unit="turn")
     try:
         for label, settings in compared:
             bar.set_description(label)
@@ -82,11 +84,14 @@ def run(args, scripts, compared: list[tuple[str, Settings]], sampling, model) ->
                                   seed=args.seed)
                 try:
                     for i, step in enumerate(script.steps):
+                        if step.kind == "set":  # a cache or sampling setting, the same for every entry
+                            switched(session, step)
+                            continue
                         try:
                             res = run_step(session, step, {})
                         except ValueError as exc:  # full past the model's positions, say: this script ends here
                             stopped.append(f"{script.name}, step {i + 1}: {exc}")
-                            bar.update(len(script.steps) - i)
+                            bar.update(sum(s.turn for s in script.steps[i:]))
                             break
                         summary.add(res)
                         for w in res.warnings:

@@ -11,7 +11,8 @@ import time
 from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS, SETTINGS
 from ..core.engine.turns import ReadStopped, TurnResult
 from ..policies import POLICIES, declared_params
-from .args import CLIError, check_resume, db_path, parse_setting, prepare, resumed_changes, settings_text
+from .args import (CLIError, apply_settings, check_resume, db_path, parse_setting, prepare, resumed_changes,
+                   settings_text)
 
 
 class Reading:
@@ -143,11 +144,7 @@ def _set(session, pairs: list[str]) -> dict:
         (cache if p in CACHE_SETTINGS else sampling)[k] = parse_setting(p, v)
     if params:
         cache["params"] = params
-    new_sampling = session.sampling.changed(**sampling)
-    applied = session.configure(**cache) if cache else {}
-    before = session.sampling
-    session.sampling = new_sampling
-    return {**applied, **{k: v for k, v in new_sampling.as_dict().items() if getattr(before, k) != v}}
+    return apply_settings(session, cache, sampling)
 
 
 def _stat(key: str, value) -> str:

@@ -27,6 +27,7 @@ from .args import parse_setting  # noqa: E402
 from .chatting import Chatting  # noqa: E402
 from .sessions import USER_ERRORS, CapacityError, Entry, SessionManager  # noqa: E402
 from .layout import CSS, Layout, theme  # noqa: E402
+from .scripts import export_script  # noqa: E402
 from .views import Live, cache_view, charts, chat_messages, error_html as _error, head_map, stored_turns  # noqa: E402
 
 
@@ -289,7 +290,7 @@ class WebApp(Layout, Chatting):
         try:
             if conversation_id is None:
                 raise ValueError("choose a conversation in the list first")
-            lines = self.manager.store.export_replay(int(conversation_id))
+            lines = export_script(self.manager.store, int(conversation_id))
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
             return (gr.update(visible=False), _error(str(exc)),

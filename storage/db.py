@@ -15,7 +15,6 @@ import shutil
 import sqlite3
 import threading
 from pathlib import Path
-from typing import Any
 
 import sqlite_utils
 
@@ -296,13 +295,6 @@ class Store:
     @guarded
     def settings_changes(self, conversation_id: int) -> list[dict]:
         return self._rows("settings_changes", conversation_id, "id")
-
-    @guarded
-    def export_replay(self, conversation_id: int) -> list[dict[str, Any]]:
-        """The conversation as replay-script lines ({"system"|"user"|"assistant": text}); ValueError where there is
-        no such conversation (not an empty script)."""
-        self.conversation(conversation_id)
-        return [{m["role"]: m["text"]} for m in self.messages(conversation_id)]
 
 
 def _matching(search: str) -> tuple[str, list]:

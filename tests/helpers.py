@@ -1,5 +1,6 @@
-"""Constants the tests share (conftest.py holds fixtures only)."""
+"""Constants and small helpers the tests share (conftest.py holds fixtures only)."""
 
+import json
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]  # the repository root
@@ -15,4 +16,10 @@ def data_file(*parts: str) -> Path:
     if not path.exists():
         pytest.skip(f"no evaluation data at {path} (a clone without ../shared/data; README, Data: where it comes "
                     "from)")
+    return path
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    """``lines`` written to ``path`` as JSONL (a replay script); the path."""
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
     return path

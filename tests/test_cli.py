@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from kvchat.app.cli import main
-from kvchat.app.replay import ScriptError, load_scripts
+from kvchat.app.scripts import ScriptError, load_scripts
 from kvchat.storage.db import Store
 from tinymodels import build_tiny
 
-from helpers import data_file
+from helpers import data_file, write_jsonl
 
 SCRIPT = [
     {"system": "You are terse."},
@@ -42,11 +42,6 @@ def no_template_dir(tokenizer, tmp_path_factory):
     return path
 
 
-def _write(path, lines):
-    path.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
-    return path
-
-
 def _run(capsys, *argv):
     code = main([str(a) for a in argv])
     out, err = capsys.readouterr()
@@ -54,7 +49,7 @@ def _run(capsys, *argv):
 
 
 def test_replay_json_turns_and_summary(model_dir, tmp_path, capsys):
-    script = _write(tmp_path / "s.jsonl", SCRIPT)
+    script = write_jsonl(tmp_path / "s.jsonl", SCRIPT)
     db = tmp_path / "kv.db"
     code, out, _ = _run(capsys, "replay", script, "--model", model_dir, "--policy", "streaming", "--budget", 48,
                         "--window", 8, "--slack", 6, "--max-new-tokens", 6, "--db", db, "--json")
@@ -88,7 +83,7 @@ def test_an_unsaved_replay_recalls_from_a_temporary_archive(model_dir, tmp_path,
     lines = [line for i, w in enumerate(["red", "blue", "green", "grey", "pink", "gold", "teal", "tan"])
              for line in ({"user": f"Fact {i}: the {w} box holds {i * 7} stones. Keep it."},
                           {"assistant": f"Noted, {i * 7}."})]
-    script = _write(tmp_path / "s.jsonl", lines + [{"user": "How many stones are in the red box?"}])
+    script = write_jsonl(tmp_path / "s.jsonl", lines + [{"user": "How many stones are in the red box?"}])
     code, out, err = _run(capsys, "replay", script, "--model", model_dir, "--budget", 48, "--window", 8, "--slack", 6,
                           "--max-new-tokens", 4, "--no-save", "--json", "--db", tmp_path / "kv.db")
     assert code == 0, err
@@ -98,8 +93,8 @@ def test_an_unsaved_replay_recalls_from_a_temporary_archive(model_dir, tmp_path,
 
 
 def test_several_scripts_one_model_load(model_dir, tmp_path, capsys):
-    a = _write(tmp_path / "a.jsonl", SCRIPT[:3])
-    b = _write(tmp_path / "b.jsonl", SCRIPT[1:4])
+    a = write_jsonl(tmp_path / "a.jsonl", SCRIPT[:3])
+    b = write_jsonl(tmp_path / "b.jsonl", SCRIPT[1:4])
     code, out, err = _run(capsys, "replay", a, b, "--model", model_dir, "--budget", 64, "--max-new-tokens", 4,
                           "--db", tmp_path / "kv.db", "--json")
     assert code == 0 and err.count("loading") == 1
@@ -117,7 +112,7 @@ def test_decode_through_the_model_replays_the_same_chat(model_dir, tmp_path, cap
     steps = []
     step = DecodeStep.__call__
     monkeypatch.setattr(DecodeStep, "__call__", lambda self, *a, **k: steps.append(1) or step(self, *a, **k))
-    script = _write(tmp_path / "s.jsonl", SCRIPT)
+    script = write_jsonl(tmp_path / "s.jsonl", SCRIPT)
     answers, counts = [], []
     for decode in ("auto", "model"):
         code, out, _ = _run(capsys, "replay", script, "--model", model_dir, "--budget", 48, "--window", 8, "--slack",
@@ -133,7 +128,7 @@ def test_decode_through_the_model_replays_the_same_chat(model_dir, tmp_path, cap
 
 
 def test_human_readable_replay(model_dir, tmp_path, capsys):
-    code, out, err = _run(capsys, "replay", _write(tmp_path / "s.jsonl", SCRIPT[:3]), "--model", model_dir,
+    code, out, err = _run(capsys, "replay", write_jsonl(tmp_path / "s.jsonl", SCRIPT[:3]), "--model", model_dir,
                           "--budget", 64, "--no-save")
     assert code == 0 and "summary: streaming 1 turns" in out and "prefill" in err
 
@@ -147,7 +142,7 @@ def test_policies_listing(capsys):
 
 def test_conversations_list_show_export(model_dir, tmp_path, capsys):
     db = tmp_path / "kv.db"
-    _run(capsys, "replay", _write(tmp_path / "s.jsonl", SCRIPT[:3]), "--model", model_dir, "--budget", 64,
+    _run(capsys, "replay", write_jsonl(tmp_path / "s.jsonl", SCRIPT[:3]), "--model", model_dir, "--budget", 64,
          "--db", db, "--json")
     code, out, _ = _run(capsys, "conversations", "list", "--db", db)
     assert code == 0 and "s.jsonl" in out
@@ -301,7 +296,7 @@ def test_a_package_outside_its_declared_range_is_refused_in_one_line(monkeypatch
 
 
 def test_model_errors(no_template_dir, tmp_path, capsys):
-    script = _write(tmp_path / "s.jsonl", SCRIPT[1:2])
+    script = write_jsonl(tmp_path / "s.jsonl", SCRIPT[1:2])
     code, _, err = _run(capsys, "replay", script, "--model", no_template_dir, "--db", tmp_path / "kv.db")
     assert code == 2 and "no chat template" in err
     for command in ("chat", "replay", "serve"):  # a mistyped path: refused before anything loads
@@ -315,7 +310,7 @@ def test_model_errors(no_template_dir, tmp_path, capsys):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA GPU: --device cuda is no error here")
 def test_a_device_this_torch_cannot_reach_is_one_line_and_exit_2(model_dir, tmp_path, capsys):
-    script = _write(tmp_path / "s.jsonl", SCRIPT[1:2])
+    script = write_jsonl(tmp_path / "s.jsonl", SCRIPT[1:2])
     for device in ("cuda", "cuda:1"):
         code, _, err = _run(capsys, "replay", script, "--model", model_dir, "--db", tmp_path / "kv.db",
                             "--device", device)
@@ -434,7 +429,7 @@ def test_replay_compare_runs_each_policy_side_by_side_and_stores_nothing(model_d
     """``replay --compare``: every script under each policy with one model load; per-turn lines name the policy, and
     the comparison says how many generated replies are the first policy's: all of them for a budget larger than the
     chat (the full cache's greedy replies, exactly), fewer once the cache evicts, where it stays within its bound."""
-    script = _write(tmp_path / "s.jsonl", SCRIPT + [{"user": "And again?"}])
+    script = write_jsonl(tmp_path / "s.jsonl", SCRIPT + [{"user": "And again?"}])
     db = tmp_path / "kv.db"
     run = ["replay", script, script, "--model", model_dir, "--max-new-tokens", 6, "--db", db, "--json",
            "--recall", "off"]
@@ -476,7 +471,7 @@ def test_replay_compare_runs_each_policy_side_by_side_and_stores_nothing(model_d
     (("--compare", "full,streaming", "--resume", "1"), "--compare replays the scripts as new conversations"),
 ])
 def test_replay_compare_refuses_bad_lists_in_one_line(model_dir, tmp_path, capsys, flags, message):
-    script = _write(tmp_path / "s.jsonl", SCRIPT)
+    script = write_jsonl(tmp_path / "s.jsonl", SCRIPT)
     code, out, err = _run(capsys, "replay", script, "--model", model_dir, "--db", tmp_path / "kv.db", *flags)
     assert code == 2 and message in err and "loading" not in err and len(err.strip().splitlines()) == 1, err
 
@@ -485,7 +480,7 @@ def test_replay_compare_goes_on_past_a_policy_that_stops(model_dir, tmp_path, ca
     """``full`` cannot pass the model's positions: its row says where it stopped; the other policy runs every
     script to its end, its turns' warnings shown."""
     long = [{"user": f"Turn {i}: " + "tell me more about it. " * 20} for i in range(12)]  # ~1,800 positions
-    script = _write(tmp_path / "long.jsonl", long)
+    script = write_jsonl(tmp_path / "long.jsonl", long)
     code, out, err = _run(capsys, "replay", script, "--model", model_dir, "--max-new-tokens", 4, "--compare",
                           "full,window", "--budget", 64, "--positions", "original")
     assert code == 0, err
@@ -531,7 +526,7 @@ def test_cache_flags_given_with_resume_change_the_stored_settings(model_dir, tmp
     """``--resume`` with cache flags continues the conversation with its stored settings changed by them, as
     /policy and /set change them (they were ignored without a word); the same command again changes nothing."""
     db = tmp_path / "kv.db"
-    script = _write(tmp_path / "s.jsonl", SCRIPT[:3])
+    script = write_jsonl(tmp_path / "s.jsonl", SCRIPT[:3])
     code, _, _ = _run(capsys, "replay", script, "--model", model_dir, "--budget", 64, "--db", db, "--json")
     cid = Store(db).conversations()[0]["id"]
 
@@ -556,7 +551,7 @@ def test_cache_flags_given_with_resume_change_the_stored_settings(model_dir, tmp
         assert code == 2 and message in err, (flags, err)
     assert Store(db).conversation(cid)["settings"] == {**stored, "params": {"heavy": 8, "average": False}}
     # replay --resume takes them alike
-    longer = _write(tmp_path / "s2.jsonl", SCRIPT[:3] + [{"user": "Hello"}, {"user": "And again?"}])
+    longer = write_jsonl(tmp_path / "s2.jsonl", SCRIPT[:3] + [{"user": "Hello"}, {"user": "And again?"}])
     code, _, err = _run(capsys, "replay", longer, "--model", model_dir, "--db", db, "--resume", cid, "--json",
                         "--budget", 40, "--max-new-tokens", 3)
     assert code == 0 and "changed from its stored settings: budget=40" in err, err
@@ -569,7 +564,7 @@ def test_a_conversation_open_in_one_process_is_refused_to_another(model_dir, tmp
     the folder under a running chat. While a process has a conversation open, another's resume, delete or rename
     is refused in one line naming it; the system gives it back when that process ends, however it ends."""
     db = tmp_path / "kv.db"
-    code, _, _ = _run(capsys, "replay", _write(tmp_path / "s.jsonl", SCRIPT[:3]), "--model", model_dir, "--db", db,
+    code, _, _ = _run(capsys, "replay", write_jsonl(tmp_path / "s.jsonl", SCRIPT[:3]), "--model", model_dir, "--db", db,
                       "--budget", 64, "--json")
     cid = Store(db).conversations()[0]["id"]
     held = Store(db).archive_folder(Store(db).conversation(cid)["archive"]) / "held"
@@ -624,7 +619,7 @@ def test_a_conversation_open_in_one_process_is_refused_to_another(model_dir, tmp
 def test_a_resume_of_no_stored_conversation_is_refused_before_the_model_loads(tmp_path, capsys):
     """A mistyped id or --db: the one-line error at once, not after the model's load (seconds), and no empty
     database left where --db named none."""
-    script = _write(tmp_path / "s.jsonl", SCRIPT[1:2])
+    script = write_jsonl(tmp_path / "s.jsonl", SCRIPT[1:2])
     Store(tmp_path / "kv.db").conversations()  # a database without conversations
     for db in (tmp_path / "kv.db", tmp_path / "typo.db"):
         for command in ("chat", "replay"):
@@ -640,7 +635,7 @@ def test_a_resume_takes_the_conversations_own_model_and_refuses_another_before_l
     """``--resume`` without ``--model`` reopens with the model that held the conversation (it loaded the default
     model, then refused); a ``--model`` naming another is refused at once, not after loading it."""
     db = tmp_path / "kv.db"
-    script = _write(tmp_path / "s.jsonl", SCRIPT[:2])
+    script = write_jsonl(tmp_path / "s.jsonl", SCRIPT[:2])
     code, _, err = _run(capsys, "replay", script, "--model", model_dir, "--db", db, "--budget", 64,
                         "--max-new-tokens", 3, "--json")
     assert code == 0, err
@@ -661,7 +656,7 @@ def test_a_model_given_by_a_relative_path_resumes_from_another_folder(model_dir,
     """A conversation stores the absolute path of a local ``--model`` (it stored ``./tiny``, which only its own folder
     could load): it resumes from elsewhere without ``--model``, or with the same model named by another path."""
     db = tmp_path / "kv.db"
-    script = _write(tmp_path / "s.jsonl", SCRIPT[1:2])
+    script = write_jsonl(tmp_path / "s.jsonl", SCRIPT[1:2])
     monkeypatch.chdir(model_dir.parent)
     code, _, err = _run(capsys, "replay", script, "--model", f"./{model_dir.name}", "--db", db, "--budget", 64,
                         "--max-new-tokens", 3, "--json")
@@ -728,7 +723,7 @@ def test_policy_parameters_become_flags(param_policy, model_dir, tmp_path, capsy
     settings.validate(512)
     code, out, _ = _run(capsys, "policies")
     assert "--keep-bias (float, default 1.0): weight of age" in out
-    script = _write(tmp_path / "s.jsonl", SCRIPT[1:3])
+    script = write_jsonl(tmp_path / "s.jsonl", SCRIPT[1:3])
     code, _, err = _run(capsys, "replay", script, "--model", model_dir, "--policy", "streaming", "--keep-bias", 2)
     assert code == 2 and "--keep-bias does not apply to policy streaming" in err
     code, _, err = _run(capsys, "replay", script, "--model", model_dir, "--policy", "oldest-test", "--mode-x", "c")

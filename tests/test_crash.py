@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from kvchat.app.cli import main
-from kvchat.app.replay import load_scripts, run_step
+from kvchat.app.replay import run_step
+from kvchat.app.scripts import load_scripts
 from kvchat.core.model import loading as models
 from kvchat.core.engine.session import Sampling, Session
 from kvchat.core.engine.settings import Settings

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvchat.app.cli import main
-from kvchat.app.replay import ScriptError, load_scripts
+from kvchat.app.scripts import ScriptError, load_scripts
 from kvchat.app.sessions import SessionManager
 from kvchat.core.engine.session import Sampling, Session
 from kvchat.core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS, Settings

@@ -154,18 +154,41 @@ def test_settings_changes_are_recorded_and_resumed(tiny, tmp_path):
     assert resumed.settings.budget == 40 and resumed.settings.groups == "turn"
 
 
-def test_export_replays_as_a_script(tiny, tmp_path):
-    from kvchat.app.replay import load_scripts
+def test_export_replays_as_a_script_with_the_chats_settings_changes_where_they_were_made(tiny, tmp_path):
+    """A conversation whose policy and parameters were changed between turns (one set back to its default) exports
+    as a script whose set lines make the same changes at the same turns: replayed from the chat's starting settings
+    it stores the chat's messages and settings changes and ends in its settings."""
+    from kvchat.app.replay import run_step, switched
+    from kvchat.app.scripts import export_script, load_scripts
 
     store = Store(tmp_path / "kv.db")
     session = Session(tiny("llama"), SETTINGS, store=store, sampling=GREEDY)
     _chat(session)
-    lines = store.export_replay(session.conversation_id)
+    session.configure(policy="h2o", params={"heavy": 4})
+    session.chat("And what was my code word?")
+    session.configure(params={"heavy": 0}, budget=40)
+    session.chat("Say it once more.")
+    session.configure(policy="tova")  # after the last turn: the script's last line
+    lines = export_script(store, session.conversation_id)
+    assert [next(iter(x)) for x in lines] == ["system", "user", "assistant", "user", "assistant", "user", "assistant",
+                                              "set", "user", "assistant", "set", "user", "assistant", "set"]
+    assert lines[7] == {"set": {"policy": "h2o", "heavy": 4}}
+    assert lines[10] == {"set": {"budget": 40, "policy": "h2o", "heavy": 0, "average": True}}
+    assert lines[13] == {"set": {"policy": "tova"}}
     path = tmp_path / "export.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     (script,) = load_scripts(path)
     assert script.system == session.messages[0]["content"]
-    assert [s.kind for s in script.steps] == ["exchange", "exchange", "exchange"]
+    again = Store(tmp_path / "again.db")
+    replay = Session(tiny("llama"), SETTINGS, store=again, sampling=GREEDY)
+    for step in script.steps:
+        switched(replay, step) if step.kind == "set" else run_step(replay, step, {})
+    assert replay.settings == session.settings
+    assert [m["text"] for m in again.messages(replay.conversation_id)] == \
+        [m["text"] for m in store.messages(session.conversation_id)]
+    changes = [[{k: c[k] for k in ("turn", "changes", "settings")} for c in s.settings_changes(cid)]
+               for s, cid in ((store, session.conversation_id), (again, replay.conversation_id))]
+    assert changes[0] == changes[1] and len(changes[0]) == 3
 
 
 def test_rename_and_delete(tiny, tmp_path):

@@ -142,6 +142,15 @@ class Settings:
             changes.setdefault("params", {})
         return replace(self, **changes)
 
+    def changes_to(self, other: "Settings") -> dict[str, Any]:
+        """The changes that make these settings ``other`` (``changed(**changes_to(other)) == other``), the policy's
+        parameters given whole where they differ."""
+        out = {f.name: getattr(other, f.name) for f in fields(self)
+               if f.name != "params" and getattr(self, f.name) != getattr(other, f.name)}
+        if (self.policy, self.params) != (other.policy, other.params):
+            out["params"] = {p.name: other.params.get(p.name, p.default) for p in POLICIES[other.policy].params}
+        return out
+
     def validate(self, max_positions: int, rotary_error: str | None = None) -> None:
         """ValueError with a one-line reason if this combination cannot run."""
         cls = policy_class(self.policy)
