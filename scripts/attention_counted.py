@@ -10,8 +10,9 @@ exchanges from ``../shared/data``.
 * ``switch``: ``--history`` tokens of chat, then two more exchanges and a probe of the fact (its question with the
   reference answer: the mean NLL of the fact's tokens), once under the policy at ``--budget`` all along and once
   under ``full`` switched to the policy at that budget after the history. Printed: the probe's NLL under each, the
-  Jaccard overlap of each (layer, head)'s held positions between the two, and the share of the switched chat's cache
-  that is the newest 300 tokens.
+  Jaccard overlap of each (layer, head)'s held positions between the two, the share of the switched chat's cache
+  that is the newest 300 tokens, and how long the switch took (``configure``: what the policy reads, and the
+  compression to the budget).
 * ``recall``: under the policy with recall on, ``--history`` tokens of chat, then the fact's question (recall brings
   the fact back), then recall off and four exchanges (the fact asked in other words with its answer, another
   exchange, the question with its answer, another). Printed: the positions recalled, and after each exchange the
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import time
 from pathlib import Path
 
 import torch
@@ -57,7 +59,9 @@ def switch(model, pairs, args, case: int) -> tuple:
         session.exchange("Hi! " + fact.format(v=v), "Noted, I will remember that.")
         k = history(session, pairs, 3 + 5 * case, args.history, 500)
         if change:
+            start = time.perf_counter()
             session.configure(**change)
+            switch_ms = 1000 * (time.perf_counter() - start)
         for user, reply in pairs[k: k + 2]:
             session.exchange(user[:200], reply[:200])
         out.append((session, session.probe(question, answer.format(v=v), v).expect_nll))
@@ -65,7 +69,7 @@ def switch(model, pairs, args, case: int) -> tuple:
     a, b = held(ran), held(switched)
     newest = set(range(switched.log.n - 300, switched.log.n))
     return (nll_ran, nll_switched, sum(len(x & y) / len(x | y) for x, y in zip(a, b)) / len(a),
-            sum(len(y & newest) / len(y) for y in b) / len(b))
+            sum(len(y & newest) / len(y) for y in b) / len(b), switch_ms)
 
 
 def recall(model, pairs, args, case: int) -> tuple:
@@ -103,7 +107,7 @@ def main() -> None:
     model = models.load(str(models.default_model_dir()))
     pairs = filler_pairs(Path(args.data))
     probe = switch if args.probe == "switch" else recall
-    names = (["NLL all along", "NLL switched", "overlap", "newest 300"] if args.probe == "switch" else
+    names = (["NLL all along", "NLL switched", "overlap", "newest 300", "switch ms"] if args.probe == "switch" else
              ["recalled", "held after 1", "after 2", "after 3", "after 4"])
     rows = []
     for case in range(args.chats):
