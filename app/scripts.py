@@ -276,8 +276,8 @@ def _set_line(change: dict) -> dict:
     names = {p.name for p in CACHE_SETTINGS}
     line = {k: v for k, v in change["changes"].items() if k in names}
     if "policy" in change["changes"] or "params" in change["changes"]:
-        policy, params = change["settings"]["policy"], change["settings"]["params"]
+        policy, params = change["settings"]["policy"], change["settings"].get("params", {})
         line["policy"] = policy
-        line.update(params if "policy" in change["changes"]
-                    else {p.name: params.get(p.name, p.default) for p in POLICIES[policy].params})
+        stayed = "policy" not in change["changes"] and policy in POLICIES  # (a policy this version lacks: as stored)
+        line.update({p.name: params.get(p.name, p.default) for p in POLICIES[policy].params} if stayed else params)
     return line
