@@ -26,7 +26,8 @@ def check_switches(script: Script, settings: Settings, max_positions: int, rotar
             continue
         if compared and (step.cache.keys() & {"policy", "params"}):
             raise ScriptError(f"{step.where}: --compare runs each policy it lists through the whole script, so a set "
-                              "line there changes no policy or policy parameter")
+                              "line there changes no policy or policy parameter (leave the line out, or replay "
+                              "without --compare)")
         settings = _checked(settings, step)
         try:
             settings.validate(max_positions, rotary_error)
