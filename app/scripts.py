@@ -217,10 +217,13 @@ def _switch(value, at: str) -> tuple[dict, dict]:
     names none, by some policy (``check_switches`` checks it against the one running there)."""
     if not isinstance(value, dict) or not value:
         raise ScriptError(f"{at}: \"set\" takes an object of settings, e.g. {{\"policy\": \"h2o\", \"budget\": 256}}")
-    owners, cache, sampling, params = declared_params(), {}, {}, {}
+    owners, cache, sampling, params, errors = declared_params(), {}, {}, {}, []
     try:
         policy = parse_setting(SETTINGS["policy"], value["policy"]) if "policy" in value else None
-        for k, v in value.items():
+    except ValueError as exc:
+        raise ScriptError(f"{at}: {exc}") from None
+    for k, v in value.items():
+        try:
             if k in SETTINGS:
                 (cache if SETTINGS[k] in CACHE_SETTINGS else sampling)[k] = parse_setting(SETTINGS[k], v)
             elif k in owners:
@@ -229,8 +232,10 @@ def _switch(value, at: str) -> tuple[dict, dict]:
                 params[k] = parse_setting(owners[k][0], v)
             else:
                 raise ValueError(f"unknown setting {_short(k)!r} (kvchat replay --help lists them)")
-    except ValueError as exc:
-        raise ScriptError(f"{at}: {exc}") from None
+        except ValueError as exc:
+            errors.append(str(exc))
+    if errors:  # every bad one, in one line
+        raise ScriptError(f"{at}: {'; '.join(errors)}")
     if policy is not None:
         cache["policy"] = policy
     if params:

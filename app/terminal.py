@@ -123,28 +123,44 @@ def read_message(read) -> str:
 def _set(session, pairs: list[str]) -> dict:
     """``/set key=value ...``: every value parsed first, then the cache settings and the running policy's own
     parameters (``configure``, which checks the combination) and the sampling settings applied; ValueError and
-    nothing applied on any bad value."""
+    nothing applied on any bad value (every bad one named, in one line)."""
     if not pairs:
         raise CLIError("/set takes key=value ... (/help lists the settings)")
-    cache, sampling, params = {}, {}, {}
+    cache, sampling, params, errors = {}, {}, {}, []
     own = {p.name: p for p in POLICIES[session.settings.policy].params}
     for kv in pairs:
-        if "=" not in kv:
-            raise CLIError(f"/set takes key=value, got {kv!r}")
-        k, v = kv.split("=", 1)
-        if k in own:
-            params[k] = parse_setting(own[k], v)
-            continue
-        if k not in SETTINGS:
-            owners = declared_params().get(k, (None, []))[1]
-            hint = (f"; a parameter of {', '.join(owners)}: /policy {owners[0]} {k}=VALUE" if owners
-                    else " (/help lists the settings)")
-            raise CLIError(f"/set cannot change {k!r}{hint}")
-        p = SETTINGS[k]
-        (cache if p in CACHE_SETTINGS else sampling)[k] = parse_setting(p, v)
+        try:
+            if "=" not in kv:
+                raise CLIError(f"/set takes key=value, got {kv!r}")
+            k, v = kv.split("=", 1)
+            if k in own:
+                params[k] = parse_setting(own[k], v)
+                continue
+            if k not in SETTINGS:
+                owners = declared_params().get(k, (None, []))[1]
+                hint = (f"; a parameter of {', '.join(owners)}: /policy {owners[0]} {k}=VALUE" if owners
+                        else " (/help lists the settings)")
+                raise CLIError(f"/set cannot change {k!r}{hint}")
+            p = SETTINGS[k]
+            (cache if p in CACHE_SETTINGS else sampling)[k] = parse_setting(p, v)
+        except ValueError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise CLIError("; ".join(errors))
     if params:
         cache["params"] = params
     return apply_settings(session, cache, sampling)
+
+
+def _bad_param(policy: str, own: dict, k: str, v: str) -> str | None:
+    """Why ``k=v`` is not a parameter value of ``policy`` (whose parameters are ``own``), or None."""
+    try:
+        if k not in own:
+            raise ValueError(f"policy {policy} has no parameter {k}")
+        parse_setting(own[k], v)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _stat(key: str, value) -> str:
@@ -191,11 +207,15 @@ def _chat_command(session, line: str) -> bool | str:
                 raise CLIError(f"/policy takes its parameters as key=value, got {bare[0]!r}")
             given = dict(kv.split("=", 1) for kv in rest[1:])
             if rest[0] in POLICIES:  # (an unknown name: configure lists the policies)
-                own = {p.name for p in POLICIES[rest[0]].params}
-                settings = sorted((given.keys() & SETTINGS.keys()) - own)  # was "policy h2o has no parameter groups"
+                own = {p.name: p for p in POLICIES[rest[0]].params}
+                # a setting given as a parameter (it said "policy h2o has no parameter groups")
+                settings = sorted((given.keys() & SETTINGS.keys()) - own.keys())
                 if settings:
                     k = settings[0]
                     raise CLIError(f"{k} is a setting, not a parameter of {rest[0]}: /set {k}={given[k]}")
+                errors = [_bad_param(rest[0], own, k, v) for k, v in given.items()]
+                if any(errors):  # every bad one, in one line
+                    raise CLIError("; ".join(filter(None, errors)))
             applied = session.configure(policy=rest[0], params=given)
         elif cmd == "budget":
             if len(rest) != 1:

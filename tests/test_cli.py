@@ -785,7 +785,11 @@ def test_chat_set_changes_cache_and_sampling_settings(tiny, capsys):
                           ("/set sink=2 temperature=hot", "temperature must be a finite number"),
                           ("/set temperature=0.1 window=100", "must be at least sink \\+ window"),
                           ("/set colour=red", "cannot change 'colour'"),
-                          ("/set policy=nope", "unknown policy 'nope'")):
+                          ("/set policy=nope", "unknown policy 'nope'"),
+                          ("/set top_k=-1 colour=red temperature=hot sink=2", "^top_k must be >= 0.*; /set cannot "
+                           "change 'colour'.*; temperature must be a finite number"),
+                          ("/policy h2o heavy=x bogus=1 average=yes", "^heavy must be a whole number, got 'x'; "
+                           "policy h2o has no parameter bogus$")):
         with pytest.raises(ValueError, match=message):
             _chat_command(session, line)
         assert (session.settings, session.sampling) == before, line

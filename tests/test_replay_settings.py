@@ -96,6 +96,9 @@ def test_a_set_line_in_the_table_output(model_dir, tmp_path, capsys):
                                                                      "streaming"),
     ([{"user": "Hi."}, {"set": {"budget": -5}}], ":2: budget must be"),
     ([{"user": "Hi."}, {"set": {"temperature": "warm"}}], ":2: temperature must be"),
+    ([{"user": "Hi."}, {"set": {"budget": -5, "bugdet": 6, "temperature": "warm"}}],
+     ":2: budget must be >= 1, got -5; unknown setting 'bugdet' (kvchat replay --help lists them); temperature must "
+     "be a finite number, got 'warm'"),
     ([{"user": "Hi."}, {"set": {"budget": 64}}, {"assistant": "Hello."}], ":2: a set line parts a user line from "
                                                                          "its assistant line"),
     ([{"set": {"budget": 64}}], ": the script has no turns"),
