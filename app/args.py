@@ -11,7 +11,7 @@ from .. import __version__
 from ..bench import HELP as BENCH_HELP
 from ..core.decode.parts import DECODE
 from ..core.decode.weights import WEIGHTS
-from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS, Sampling, Settings
+from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS, SETTINGS, Sampling, Settings
 from ..policies import POLICIES, Param, declared_params, policy_class
 
 
@@ -135,6 +135,25 @@ def settings_text(values: dict) -> str:
     for k, v in values.items():
         items.extend(v.items() if k == "params" and isinstance(v, dict) else [(k, v)])
     return ", ".join(f"{k}={v}" for k, v in items)
+
+
+def sort_settings(items, param) -> tuple[dict, dict, dict]:
+    """``(key, value)`` items as (cache settings, sampling settings, policy parameters), each value parsed by its
+    declaration; a key that names no setting is a policy parameter, ``param(key)`` its declaration (ValueError with
+    the reason where it has none). ValueError naming every bad item, in one line: what ``/set``, ``/policy`` and a
+    replay's set line refuse."""
+    cache, sampling, params, errors = {}, {}, {}, []
+    for k, v in items:
+        try:
+            if k in SETTINGS:
+                (cache if SETTINGS[k] in CACHE_SETTINGS else sampling)[k] = parse_setting(SETTINGS[k], v)
+            else:
+                params[k] = parse_setting(param(k), v)
+        except ValueError as exc:
+            errors.append(str(exc))
+    if errors:
+        raise CLIError("; ".join(errors))
+    return cache, sampling, params
 
 
 def apply_settings(session, cache: dict, sampling: dict) -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..core.engine.session import check_text
 from ..core.engine.settings import CACHE_SETTINGS, SETTINGS
 from ..policies import POLICIES, declared_params
-from .args import parse_setting
+from .args import parse_setting, sort_settings
 
 
 class ScriptError(ValueError):
@@ -217,25 +217,20 @@ def _switch(value, at: str) -> tuple[dict, dict]:
     names none, by some policy (``check_switches`` checks it against the one running there)."""
     if not isinstance(value, dict) or not value:
         raise ScriptError(f"{at}: \"set\" takes an object of settings, e.g. {{\"policy\": \"h2o\", \"budget\": 256}}")
-    owners, cache, sampling, params, errors = declared_params(), {}, {}, {}, []
+    owners = declared_params()
     try:
         policy = parse_setting(SETTINGS["policy"], value["policy"]) if "policy" in value else None
+
+        def param(k: str):
+            if k not in owners:
+                raise ValueError(f"unknown setting {_short(k)!r} (kvchat replay --help lists them)")
+            if policy is not None and policy not in owners[k][1]:
+                raise ValueError(f"{k} is a parameter of {', '.join(owners[k][1])}, not of {policy}")
+            return owners[k][0]
+
+        cache, sampling, params = sort_settings(value.items(), param)  # every bad one, in one line
     except ValueError as exc:
         raise ScriptError(f"{at}: {exc}") from None
-    for k, v in value.items():
-        try:
-            if k in SETTINGS:
-                (cache if SETTINGS[k] in CACHE_SETTINGS else sampling)[k] = parse_setting(SETTINGS[k], v)
-            elif k in owners:
-                if policy is not None and policy not in owners[k][1]:
-                    raise ValueError(f"{k} is a parameter of {', '.join(owners[k][1])}, not of {policy}")
-                params[k] = parse_setting(owners[k][0], v)
-            else:
-                raise ValueError(f"unknown setting {_short(k)!r} (kvchat replay --help lists them)")
-        except ValueError as exc:
-            errors.append(str(exc))
-    if errors:  # every bad one, in one line
-        raise ScriptError(f"{at}: {'; '.join(errors)}")
     if policy is not None:
         cache["policy"] = policy
     if params:

@@ -11,8 +11,8 @@ import time
 from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS, SETTINGS
 from ..core.engine.turns import ReadStopped, TurnResult
 from ..policies import POLICIES, declared_params
-from .args import (CLIError, apply_settings, check_resume, db_path, parse_setting, prepare, resumed_changes,
-                   settings_text)
+from .args import (CLIError, apply_settings, check_resume, db_path, prepare, resumed_changes, settings_text,
+                   sort_settings)
 
 
 class Reading:
@@ -126,41 +126,27 @@ def _set(session, pairs: list[str]) -> dict:
     nothing applied on any bad value (every bad one named, in one line)."""
     if not pairs:
         raise CLIError("/set takes key=value ... (/help lists the settings)")
-    cache, sampling, params, errors = {}, {}, {}, []
+    bare = [kv for kv in pairs if "=" not in kv]
+    if bare:
+        raise CLIError(f"/set takes key=value, got {bare[0]!r}")
     own = {p.name: p for p in POLICIES[session.settings.policy].params}
-    for kv in pairs:
-        try:
-            if "=" not in kv:
-                raise CLIError(f"/set takes key=value, got {kv!r}")
-            k, v = kv.split("=", 1)
-            if k in own:
-                params[k] = parse_setting(own[k], v)
-                continue
-            if k not in SETTINGS:
-                owners = declared_params().get(k, (None, []))[1]
-                hint = (f"; a parameter of {', '.join(owners)}: /policy {owners[0]} {k}=VALUE" if owners
-                        else " (/help lists the settings)")
-                raise CLIError(f"/set cannot change {k!r}{hint}")
-            p = SETTINGS[k]
-            (cache if p in CACHE_SETTINGS else sampling)[k] = parse_setting(p, v)
-        except ValueError as exc:
-            errors.append(str(exc))
-    if errors:
-        raise CLIError("; ".join(errors))
+
+    def param(k: str):
+        if k in own:
+            return own[k]
+        owners = declared_params().get(k, (None, []))[1]
+        hint = (f"; a parameter of {', '.join(owners)}: /policy {owners[0]} {k}=VALUE" if owners
+                else " (/help lists the settings)")
+        raise CLIError(f"/set cannot change {k!r}{hint}")
+
+    cache, sampling, params = sort_settings((kv.split("=", 1) for kv in pairs), param)
     if params:
         cache["params"] = params
     return apply_settings(session, cache, sampling)
 
 
-def _bad_param(policy: str, own: dict, k: str, v: str) -> str | None:
-    """Why ``k=v`` is not a parameter value of ``policy`` (whose parameters are ``own``), or None."""
-    try:
-        if k not in own:
-            raise ValueError(f"policy {policy} has no parameter {k}")
-        parse_setting(own[k], v)
-    except ValueError as exc:
-        return str(exc)
-    return None
+def _no_param(policy: str, k: str):
+    raise CLIError(f"policy {policy} has no parameter {k}")
 
 
 def _stat(key: str, value) -> str:
@@ -213,9 +199,7 @@ def _chat_command(session, line: str) -> bool | str:
                 if settings:
                     k = settings[0]
                     raise CLIError(f"{k} is a setting, not a parameter of {rest[0]}: /set {k}={given[k]}")
-                errors = [_bad_param(rest[0], own, k, v) for k, v in given.items()]
-                if any(errors):  # every bad one, in one line
-                    raise CLIError("; ".join(filter(None, errors)))
+                sort_settings(given.items(), lambda k: own.get(k) or _no_param(rest[0], k))  # every bad one
             applied = session.configure(policy=rest[0], params=given)
         elif cmd == "budget":
             if len(rest) != 1:
