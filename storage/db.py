@@ -31,7 +31,7 @@ SCHEMA: dict[str, tuple[dict, list]] = {
     "conversations": ({
         "id": int, "title": str, "model": str, "settings": str, "next_turn": int, "total_tokens": int,
         "kept": str, "seed": int, "snapshot_path": str, "snapshot_turn": int, "created_at": str, "updated_at": str,
-        "archive": str,
+        "archive": str, "live_settings": str,
     }, []),
     "messages": ({
         "id": int, "conversation_id": int, "idx": int, "turn": int, "role": str, "text": str, "tokens": str,
@@ -53,7 +53,7 @@ SCHEMA: dict[str, tuple[dict, list]] = {
         "id": int, "conversation_id": int, "turn": int, "changes": str, "settings": str, "created_at": str,
     }, [("conversation_id", "turn")]),
 }
-JSON_FIELDS = {"settings", "kept", "tokens", "warnings", "changes", "recalled", "recall_declined"}
+JSON_FIELDS = {"settings", "live_settings", "kept", "tokens", "warnings", "changes", "recalled", "recall_declined"}
 STAT_FIELDS = [c for c in SCHEMA["turn_stats"][0] if c not in ("id", "conversation_id")]
 
 
@@ -174,7 +174,17 @@ class Store:
         settings as set (what a reopen takes: a window left to the budget stays so)."""
         with self._writing():
             self.db.table("settings_changes").insert(_dump({**change, "conversation_id": conversation_id}))
-            self.db.table("conversations").update(conversation_id, _dump({"settings": settings}))
+            self.db.table("conversations").update(conversation_id, _dump({"settings": settings,
+                                                                          "live_settings": None}))
+
+    @guarded
+    def record_live_settings(self, conversation_id: int, settings: dict) -> None:
+        """The conversation's settings as set by a change made while a turn is open: the change is written with the
+        turn as it closes (``record_settings``), and until then its settings wait on the conversation's row
+        (``live_settings``; cleared by every later write of the row), so that a crash mid-turn reopens the
+        conversation as the person left it (``Session.resume``)."""
+        with self._writing():
+            self.db.table("conversations").update(conversation_id, _dump({"live_settings": settings}))
 
     @guarded
     def truncate(self, conversation_id: int, turn: int, conversation: dict) -> None:

@@ -343,9 +343,10 @@ def test_a_crash_between_a_live_changes_state_file_and_its_row_reopens_exactly(t
 @pytest.mark.parametrize("completed", [False, True])
 def test_a_live_change_while_a_reply_streams_is_stored_with_its_turn(tiny, tmp_path, completed):
     """The settings panel changes the budget while a reply streams: the change is stored with the turn when it
-    completes. A crash before that reopens the last completed turn exactly, under the settings before the change
-    (the change wrote the committed turn's state file with the half turn's cache at once, and the conversation
-    reopened from its tokens, approximately)."""
+    completes. A crash before that reopens the last completed turn exactly, and changes it again as the person left
+    it (the change's settings wait on the conversation's row; before, the change wrote the committed turn's state
+    file with the half turn's cache at once, and the conversation reopened from its tokens, approximately; then it
+    reopened under the settings before the change)."""
     model = tiny("llama")
     settings = Settings(policy="streaming", budget=64, window=8, slack=8)
     live = Session(model, settings, store=Store(tmp_path / "a.db"), sampling=GREEDY)
@@ -364,9 +365,16 @@ def test_a_live_change_while_a_reply_streams_is_stored_with_its_turn(tiny, tmp_p
     if completed:
         assert reopened.settings == live.settings and [c["changes"] for c in changes] == [{"budget": 40}]
         assert_same_cache(reopened, live)
-    else:  # the crash: the half turn and the change with it are gone, the turn before is as it was
-        assert reopened.settings == settings and changes == []
+    else:  # the crash: the half turn is gone, the turn before is as it was, changed as the person left it
+        assert reopened.settings == live.settings
+        assert [(c["turn"], c["changes"]) for c in changes] == [(4, {"budget": 40})]
+        reopened.close()
+        again = Session.resume(model, Store(tmp_path / "a.db"), live.conversation_id, sampling=GREEDY)
+        assert again.settings == live.settings  # written by the first reopen: nothing changes again
+        assert len(Store(tmp_path / "a.db").settings_changes(live.conversation_id)) == 1
+        twin.configure(budget=40)  # (it writes the conversation too: last)
         assert_same_cache(reopened, twin)
+        assert_same_cache(again, twin)
 
 
 def test_a_session_that_stored_nothing_leaves_no_files(tiny, tmp_path):

@@ -246,13 +246,16 @@ def record_settings(session, record: dict) -> None:
     """A live settings change: written now if the conversation exists (with the cache state it left: a smaller
     budget compresses at once), else with its first turn; one made while a turn is open (the settings panel while a
     reply streams) is written with that turn, so that the committed turn's state file is never overwritten by a
-    cache holding part of a turn (a crash then reopened the conversation from its tokens, not exactly)."""
+    cache holding part of a turn (a crash then reopened the conversation from its tokens, not exactly); its settings
+    wait on the conversation's row meanwhile, so that a crash before the turn closes loses the turn, not them."""
     if session.store is not None and session.conversation_id is not None and not session.turn_open:
         write_state(session)
         session.store.record_settings(session.conversation_id, record, asdict(session.settings))
         committed(session)
     else:
         session.pending_settings.append(record)
+        if session.store is not None and session.conversation_id is not None:  # a crash mid-turn keeps them
+            session.store.record_live_settings(session.conversation_id, asdict(session.settings))
 
 
 def conversation_row(session) -> dict:
@@ -267,4 +270,4 @@ def conversation_row(session) -> dict:
     return {"title": session.title, "model": session.model.name, "settings": asdict(session.settings),
             "next_turn": session.turn, "total_tokens": session.log.n, "kept": ranges, "seed": session.seed,
             "archive": session.files.folder.name if session.files is not None and not session.files.temporary
-            else None, "updated_at": now_iso()}
+            else None, "live_settings": None, "updated_at": now_iso()}

@@ -47,7 +47,10 @@ def resume(cls, model, store, conversation_id: int, exact: bool = True, sampling
         if folder is not None and folder.is_dir():  # another process with it open would write under us (a missing
             session.files.hold(f"conversation {conversation_id}")  # folder is made, and held, by the next commit)
             store.conversation(conversation_id)  # not deleted meanwhile (a delete holds it while it goes)
-        return _read(session, store, conv, folder, exact)
+        _read(session, store, conv, folder, exact)
+        if conv.get("live_settings"):  # changed while a turn was open that never closed (a crash): changed again
+            set_as(session, Settings.from_dict(conv["live_settings"]))
+        return session
     except BaseException:
         session.close()  # the conversation given back at once
         raise
@@ -105,11 +108,17 @@ def after_failure(session):
         return cls(model, session.settings, system=system, store=store, sampling=session.sampling, seed=session.seed,
                    title=session.title, undo=session.undo_enabled)
     fresh = resume(cls, model, store, session.conversation_id, sampling=session.sampling, undo=session.undo_enabled)
-    live = {f.name: getattr(session.settings, f.name) for f in fields(Settings)
-            if getattr(session.settings, f.name) != getattr(fresh.settings, f.name)}
-    if live:  # settings changed since the last saved turn: changed again, as the person left them
-        fresh.configure(**live)
+    set_as(fresh, session.settings)  # settings changed since the last saved turn: changed again, as the person left them
     return fresh
+
+
+def set_as(session, settings: Settings) -> None:
+    """Change ``session``'s settings to ``settings`` as a live change does (``configure``: recorded, a smaller budget
+    compressing at once), where they differ."""
+    changes = {f.name: getattr(settings, f.name) for f in fields(Settings)
+               if getattr(settings, f.name) != getattr(session.settings, f.name)}
+    if changes:
+        session.configure(**changes)
 
 
 def _load_state(session) -> bool:
