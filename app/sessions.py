@@ -97,8 +97,8 @@ class SessionManager:
             if used + need > self.max_cache_bytes:
                 raise CapacityError(
                     f"not enough cache memory: this session needs {need / 2**20:.0f} MB, "
-                    f"{(self.max_cache_bytes - used) / 2**20:.0f} MB of the server's {self.max_cache_bytes / 2**20:.0f} "
-                    "MB are free; choose a smaller budget or try again later")
+                    f"{(self.max_cache_bytes - used) / 2**20:.0f} MB of the server's "
+                    f"{self.max_cache_bytes / 2**20:.0f} MB are free; choose a smaller budget or try again later")
 
     # -- sessions -------------------------------------------------------------------------------------------------
     def get(self, key: str) -> Entry | None:

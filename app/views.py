@@ -132,7 +132,8 @@ def charts(session: Session, stored: tuple[list[dict], list[dict]], rss: dict[in
     fig.add_trace(go.Scatter(x=turns, y=mbytes, name="cache MB", line=dict(color="#1f77b4"), showlegend=False,
                              **line), 1, 2)
     fig.add_trace(go.Scatter(x=turns, y=[c * per_position / MB if c else None for c in caps], name="budget MB",
-                             mode="lines+markers", marker=dict(size=3), line=dict(color="#ff9896", dash="dot", shape="hv"), showlegend=False),
+                             mode="lines+markers", marker=dict(size=3),
+                             line=dict(color="#ff9896", dash="dot", shape="hv"), showlegend=False),
                   1, 2)
     if any(d is not None for d in disk):  # what the stored conversation keeps beside the database, recall's included
         fig.add_trace(go.Scatter(x=points, y=disk, name="on disk MB", mode="lines",

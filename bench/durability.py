@@ -144,13 +144,14 @@ def plot(result: dict, plots, plt) -> list:
 
 def markdown(result: dict) -> str:
     lines = ["| policy | recall | budget | turns | tokens | evicted | durable writes ms/turn (max) | "
-             "share of a turn's time (max) | rows file MiB (max) | digests KiB/token | state file KiB | SQLite KiB/turn "
-             "| reopened exactly |", "| --- " * 13 + "|"]
+             "share of a turn's time (max) | rows file MiB (max) | digests KiB/token | state file KiB | "
+             "SQLite KiB/turn | reopened exactly |", "| --- " * 13 + "|"]
     for r in result["results"]["runs"]:
         if "rows_bytes_max" not in r:  # a run of an older kvchat (its archive kept every token)
             continue
-        lines.append(f"| {r['policy']} | {r.get('recall', '–')} | {r['budget']} | {len(r['turns'])} | {r['tokens']} | "
-                     f"{r['evicted_tokens']} | {r['durable_ms_mean']:.1f} ({r['durable_ms_max']:.1f}) | "
+        lines.append(f"| {r['policy']} | {r.get('recall', '–')} | {r['budget']} | {len(r['turns'])} | "
+                     f"{r['tokens']} | {r['evicted_tokens']} | "
+                     f"{r['durable_ms_mean']:.1f} ({r['durable_ms_max']:.1f}) | "
                      f"{100 * r['share_mean']:.2f}% ({100 * r['share_max']:.2f}%) | "
                      f"{r['rows_bytes_last'] / 2**20:.1f} ({r['rows_bytes_max'] / 2**20:.1f}) | "
                      f"{r['digests_bytes_per_token'] / 1024:.2f} | {r['state_bytes_per_turn'] / 1024:.0f} | "

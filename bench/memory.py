@@ -89,7 +89,8 @@ def replay(cm, settings: Settings, pairs: list[tuple[str, str]], turns: int, arg
                 long.append(timed_turn(session, prompt, args.decode_steps))
                 ref.append(timed_turn(reference, prompt, args.decode_steps)["decode_ms_per_token"])
             m = min(long, key=lambda r: r["decode_ms_per_token"])
-            decode.append({"turn": t, "decode_ms_per_token": m["decode_ms_per_token"], "cache_tokens": m["cache_tokens"],
+            decode.append({"turn": t, "decode_ms_per_token": m["decode_ms_per_token"],
+                           "cache_tokens": m["cache_tokens"],
                            "all_ms_per_token": [r["decode_ms_per_token"] for r in long],
                            "reference_ms_per_token": min(ref), "reference_all": ref})
             log(f"memory {settings.policy:10s} turn {t}: decode {m['decode_ms_per_token']:.1f} ms/token (reference "
@@ -197,8 +198,9 @@ def plot(result: dict, plots, plt) -> list:
 
 
 def markdown(result: dict) -> str:
-    lines = ["| policy | budget | turns | tokens fed | max cache tokens (bound) | cache MiB | cache slope MB/1000 turns "
-             "| RSS MB (cache filled → end) | RSS slope MB/1000 turns |", "| --- " * 9 + "|"]
+    lines = ["| policy | budget | turns | tokens fed | max cache tokens (bound) | cache MiB | "
+             "cache slope MB/1000 turns | RSS MB (cache filled → end) | RSS slope MB/1000 turns |",
+             "| --- " * 9 + "|"]
     for r in result["results"]["runs"]:
         lines.append(f"| {r['policy']} | {r['budget']} | {r['turns']} | {r['tokens']} | {r['max_cache_tokens']} "
                      f"({r['bound']}) | {r['cache_bytes_last'] / 2**20:.1f} | {r['cache_mb_slope']:.3f} | "
@@ -207,16 +209,18 @@ def markdown(result: dict) -> str:
     runs = [r for r in result["results"]["runs"] if r.get("stored") or r.get("decode")]
     if runs:
         lines += ["", "| policy | recall | SQLite bytes per turn (file at the end) | rows MiB | state file MiB | "
-                  "digests bytes per token (MiB) | token log MiB | decode ms/token at turns (a short chat's beside it) |",
+                  "digests bytes per token (MiB) | token log MiB | "
+                  "decode ms/token at turns (a short chat's beside it) |",
                   "| --- " * 8 + "|"]
         for r in runs:
             dec = ", ".join(f"{d['decode_ms_per_token']:.1f} @ {d['turn']}"
-                            + (f" (reference {d['reference_ms_per_token']:.1f})" if "reference_ms_per_token" in d else "")
+                            + (f" (reference {d['reference_ms_per_token']:.1f})"
+                               if "reference_ms_per_token" in d else "")
                             for d in r.get("decode", []))
             disk = (f"{r['sqlite_bytes_per_turn']:,.0f} ({r['sqlite_bytes'] / 2**20:.1f} MiB) | "
                     f"{r['rows_bytes'] / 2**20:.1f} | {r['state_bytes'] / 2**20:.2f} | "
                     f"{r['digests_bytes_per_token']:,.0f} ({r['digests_bytes'] / 2**20:.1f})"
                     if r.get("stored") and "rows_bytes" in r else "– | – | – | –")
-            lines.append(f"| {r['policy']} | {r.get('recall', '–')} | {disk} | {r.get('token_log_bytes', 0) / 2**20:.1f} "
-                         f"| {dec or '–'} |")
+            lines.append(f"| {r['policy']} | {r.get('recall', '–')} | {disk} | "
+                         f"{r.get('token_log_bytes', 0) / 2**20:.1f} | {dec or '–'} |")
     return "\n".join(lines)

@@ -189,7 +189,8 @@ def plot(result: dict, plots, plt) -> list:
             segs = r["segments"]
             xs = [min(i + k, len(segs)) * seg for i in range(0, len(segs) - k + 1, k)]
             ys = [math.exp(sum(segs[i: i + k]) / k) for i in range(0, len(segs) - k + 1, k)]
-            ax.plot(xs, ys, marker=".", label=f"{_name(r)}" + (f", budget {r['budget']}" if r.get("label") is None else ""))
+            budget = f", budget {r['budget']}" if r.get("label") is None else ""
+            ax.plot(xs, ys, marker=".", label=f"{_name(r)}{budget}")
         if long[0]["tokens"] > res["max_positions"]:
             ax.axvline(res["max_positions"], color="grey", ls=":", lw=1)
             ax.text(res["max_positions"], ax.get_ylim()[1], " model's max positions", color="grey", va="top",

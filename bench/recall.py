@@ -372,12 +372,13 @@ def markdown(result: dict) -> str:
         total = per_message(res)
         if total:
             lines += ["", f"Putting the chosen groups back (the session marked before the message's first read and "
-                          f"put back after it, room made, the groups read again from their tokens at the end of the cache "
-                          f"and every layer and head put back in conversation order) took {total['putback_mean']:.1f} "
-                          f"ms on average, {total['putback_max']:.1f} at most, over the {total['recalls']} questions "
-                          f"above that recalled something; it reads only the recalled tokens, whatever the "
-                          f"archive's size. Recall per user message at {total['archive_tokens']:,} archived tokens, "
-                          f"scoring plus the average put-back: {total['ms']:.1f} ms for a 20-token message"
+                          f"put back after it, room made, the groups read again from their tokens at the end of the "
+                          f"cache and every layer and head put back in conversation order) took "
+                          f"{total['putback_mean']:.1f} ms on average, {total['putback_max']:.1f} at most, over the "
+                          f"{total['recalls']} questions above that recalled something; it reads only the recalled "
+                          f"tokens, whatever the archive's size. Recall per user message at "
+                          f"{total['archive_tokens']:,} archived tokens, scoring plus the average put-back: "
+                          f"{total['ms']:.1f} ms for a 20-token message"
                           + (f", {total['ms_long']:.1f} ms for a long one." if total.get("ms_long") else ".")
                           + " The message is then read again after the recalled text (its prefill, not counted here)."]
     return "\n".join(lines)

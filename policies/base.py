@@ -23,8 +23,8 @@ _KINDS = {int: "a whole number", float: "a finite number", bool: "true or false"
 class Param:
     """A declared setting: a policy's parameter, or one of the engine's (core/engine/settings.py).
 
-    The CLI flags, the chat's /set help, the web UI's settings panel, ``kvchat policies`` and the tables of README.md and docs/usage.md
-    are generated from these declarations."""
+    The CLI flags, the chat's /set help, the web UI's settings panel, ``kvchat policies`` and the tables of README.md
+    and docs/usage.md are generated from these declarations."""
 
     name: str
     type: type
@@ -71,7 +71,8 @@ class Param:
             if self.type is float and not math.isfinite(value):
                 raise ValueError
         except (TypeError, ValueError, OverflowError):
-            raise ValueError(f"{self.name} must be {_KINDS.get(self.type, self.type.__name__)}, got {value!r}") from None
+            kind = _KINDS.get(self.type, self.type.__name__)
+            raise ValueError(f"{self.name} must be {kind}, got {value!r}") from None
         if self.choices is not None and value not in self.choices:
             raise ValueError(f"{self.name} must be one of {', '.join(map(str, self.choices))}, got {value!r}")
         if self.min is not None and value < self.min:

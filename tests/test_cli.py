@@ -213,7 +213,8 @@ def test_commands_that_decode_nothing_load_no_model_code(tmp_path):
         "for argv in (['policies'], ['conversations', 'list'], ['--help'], ['chat', '--help']):\n"
         "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
         "        main(argv)\n"
-        "heavy = sorted(m for m in ('transformers', 'torch._dynamo', 'kvchat.core.engine.session') if m in sys.modules)\n"
+        "heavy = sorted(m for m in ('transformers', 'torch._dynamo', 'kvchat.core.engine.session')\n"
+        "               if m in sys.modules)\n"
         "print(heavy)\n")
     env = {**os.environ, "KVCHAT_HOME": str(tmp_path)}
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)

@@ -106,7 +106,8 @@ def test_a_crash_mid_turn_reopens_the_last_committed_turn(tiny, tmp_path, recall
     persist.write_state(live)
     files = live.files
     assert (files.folder / f"state-{live.turn}.safetensors").is_file()
-    for path, junk in ((files.rows.path, b"\x01" * 7), *(((p, b"\x03" * 5) for p in (files.folder / "digests").glob("*.bin")))):
+    digests = ((p, b"\x03" * 5) for p in (files.folder / "digests").glob("*.bin"))
+    for path, junk in ((files.rows.path, b"\x01" * 7), *digests):
         with open(path, "ab") as f:  # writes the crash cut short
             f.write(junk)
     reopened = Session.resume(model, Store(tmp_path / "kv.db"), live.conversation_id, sampling=GREEDY)

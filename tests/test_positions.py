@@ -19,8 +19,8 @@ def _keys_at(model, token: int, position: int) -> list[torch.Tensor]:
     """
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]), **{cache_argument(model): cache},
-              use_cache=True)
+        model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[position]]),
+              **{cache_argument(model): cache}, use_cache=True)
     return [layer.keys[0, :, 0].clone() for layer in cache.layers]
 
 

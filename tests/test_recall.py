@@ -796,7 +796,8 @@ def test_reorder_puts_recalled_slots_in_place_counting_their_attention_from_the_
     before = []
     for layer in session.cache.layers:
         before.append([({int(p): {name: float(layer.head_view(t, h)[i]) for name, t in layer.stats.items()}
-                         for i, p in enumerate(layer.head_view(layer.abs_pos, h).tolist())}) for h in range(layer.heads)])
+                         for i, p in enumerate(layer.head_view(layer.abs_pos, h).tolist())})
+                       for h in range(layer.heads)])
     assert all(s["since"] == 0 for heads in before for stats in heads for s in stats.values())  # from its position
     session.read_again(bring)
     compress.reorder(session)

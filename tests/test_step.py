@@ -24,8 +24,8 @@ from test_graph import _assert_same_cache
 from tinymodels import build_tiny
 
 FAMILIES = ["llama", "qwen2", "mistral", "llama3-scaled"]  # qwen2: q/k/v biases; llama3-scaled: another rope type
-# kvchat's operators (core/ops/kernels.py) multiply by the fp16 copies with the input and each product unrounded where an
-# fp16 GEMM (the model's ``HalfLinear``, the step without them) rounds both to fp16: logits (up to ~7 on these tiny
+# kvchat's operators (core/ops/kernels.py) multiply by the fp16 copies with the input and each product unrounded where
+# an fp16 GEMM (the model's ``HalfLinear``, the step without them) rounds both to fp16: logits (up to ~7 on these tiny
 # models) differ by up to ~2e-2, the size of the fp16 copies' own error against the fp32 weights
 # (``test_operators_are_as_close_to_the_fp32_model_as_the_fp16_products``).
 COMPILED = {"atol": 3e-2, "rtol": 0}

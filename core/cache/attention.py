@@ -18,8 +18,8 @@ causal bias: flash or memory-efficient kernels, no [q, n] mask in memory (docs/g
 
 When the engine passes ``kvchat_observer`` (transformers forwards extra keyword arguments of the model's forward
 down to the attention function), the observer receives the layer's query and key states and records the attention
-statistics the running policy asked for (``core/cache/observe.py``) — no eager attention, no N x N matrix kept. Policies
-that need no attention pass no observer and pay nothing. While a user message is fed with recall on,
+statistics the running policy asked for (``core/cache/observe.py``) — no eager attention, no N x N matrix kept.
+Policies that need no attention pass no observer and pay nothing. While a user message is fed with recall on,
 ``kvchat_tap`` keeps its queries in the layers that score recall (``core/recall``).
 """
 

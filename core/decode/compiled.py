@@ -55,8 +55,8 @@ def _graph(x, cos, sin, lens, keys, values, params, final, shape, ops):
     the queries ([layers, heads, dim]), keys and values ([layers, 1, KV heads, 1, dim]: one token's, as ``update``
     takes them) and each layer's attention probabilities ([KV heads, groups, capacity]) for the bookkeeping after
     the graph. ``ops``: attention's products and the products with the weights as kvchat's operators
-    (core/ops/kernels.py), else ``torch.bmm`` and inductor's own kernels; ``"block"``: besides, everything in a layer after
-    its cache write — attention, the output projection, the norm, the MLP — as one ``kvchat::block`` call (a
+    (core/ops/kernels.py), else ``torch.bmm`` and inductor's own kernels; ``"block"``: besides, everything in a layer
+    after its cache write — attention, the output projection, the norm, the MLP — as one ``kvchat::block`` call (a
     layer's fp16 copies without biases and a SiLU MLP: ``CompiledStep.mode``)."""
     nq, nk, d, inner, eps, scaling, act = shape
     heads, half = nk // d, d // 2
@@ -109,18 +109,18 @@ def _own_graph():
 
 
 class CompiledStep(DecodeStep):
-    """``--decode compiled``: the whole step — every layer, the cache write and attention, the output layer — as
-    one ``torch.compile`` graph (inductor, C++ on the CPU), which fuses the ~50 small operations per layer that
-    dispatch one by one in the eager step. Attention runs over each layer's whole preallocated buffer with the slots
-    past the new token masked, so the graph's shapes stay the same while the cache's capacity does (every bounded
-    policy between compressions). After the graph, each cache layer records what ``update`` would have
-    (``KVLayer.appended``: positions, statistics, the computed keys) and the observer gets the queries and probabilities,
-    as in the eager step. Attention's two products and the products with the fp16 weights are kvchat's operators
-    (core/ops/kernels.py: each streams its buffer once, where ``torch.bmm`` reads the cache at half the rate for this
-    shape), built at the first compile, and for Llama-family layers as released everything after a layer's cache
-    write is one ``kvchat::block`` call (``mode``); without the operators (no ninja), ``torch.bmm`` and inductor's
-    reduction kernels. dynamo's guards leave out the weights (``_unguarded``). The fp16 copies the graph reads sit in
-    huge-page memory where Linux allows (``DecodeStep._place_copies``).
+    """``--decode compiled``: the whole step — every layer, the cache write and attention, the output layer — as one
+    ``torch.compile`` graph (inductor, C++ on the CPU), which fuses the ~50 small operations per layer that dispatch one
+    by one in the eager step. Attention runs over each layer's whole preallocated buffer with the slots past the new
+    token masked, so the graph's shapes stay the same while the cache's capacity does (every bounded policy between
+    compressions). After the graph, each cache layer records what ``update`` would have (``KVLayer.appended``:
+    positions, statistics, the computed keys) and the observer gets the queries and probabilities, as in the eager step.
+    Attention's two products and the products with the fp16 weights are kvchat's operators (core/ops/kernels.py: each
+    streams its buffer once, where ``torch.bmm`` reads the cache at half the rate for this shape), built at the first
+    compile, and for Llama-family layers as released everything after a layer's cache write is one ``kvchat::block``
+    call (``mode``); without the operators (no ninja), ``torch.bmm`` and inductor's reduction kernels. dynamo's guards
+    leave out the weights (``_unguarded``). The fp16 copies the graph reads sit in huge-page memory where Linux allows
+    (``DecodeStep._place_copies``).
 
     The first step compiles (one to two minutes for the default model on this project's machine; inductor's cache makes
     a later process's compile a few seconds); a capacity the graph has not seen compiles once more (with dynamic

@@ -8,17 +8,17 @@ one token, in one of two ways:
 
 * on kvchat's operators (core/ops/kernels.py), where the fp16 copies of ``--weights half`` are in use, the model is fp32
   on the CPU with Llama's RMS norms and a SiLU MLP, and the operators build (a C++ compiler; once per machine): per
-  layer one ``kvchat::layer`` call where every head of the cache layer has a free slot (``KVLayer.free_slot``: the
-  norm, q/k/v as one product, their bias, the rotary embedding of q and k, the new key and value written into the
-  layer's buffers, attention over them in place, the output projection, the norm, the MLP, and H2O's sums where the
-  observer keeps them, ``Observer.step_sums``), the cache layer having claimed the slot before (its position, zeroed
-  statistics: ``KVLayer.claim``) and keeping the computed key after (``KVLayer.staged``); where a head has no free
-  slot (the cache resizes first) ``kvchat::project``, the cache layer's ``update`` and ``kvchat::block``, the same computation.
-  ``kvchat::project`` then runs the output layer. Heads of different lengths (``headaware``) take the attention
-  below and the operators for the products. The products widen the fp16 weights in registers and sum in fp32 with
-  the input unrounded, where an fp16 GEMM rounds the input and the products to fp16: logits within that rounding of
-  the model's forward with the same copies, and about as close to the fp32 model's (tests/test_step.py).
-  ``without_ops`` says why a step runs without them;
+  layer one ``kvchat::layer`` call where every head of the cache layer has a free slot (``KVLayer.free_slot``: the norm,
+  q/k/v as one product, their bias, the rotary embedding of q and k, the new key and value written into the layer's
+  buffers, attention over them in place, the output projection, the norm, the MLP, and H2O's sums where the observer
+  keeps them, ``Observer.step_sums``), the cache layer having claimed the slot before (its position, zeroed statistics:
+  ``KVLayer.claim``) and keeping the computed key after (``KVLayer.staged``); where a head has no free slot (the cache
+  resizes first) ``kvchat::project``, the cache layer's ``update`` and ``kvchat::block``, the same computation.
+  ``kvchat::project`` then runs the output layer. Heads of different lengths (``headaware``) take the attention below
+  and the operators for the products. The products widen the fp16 weights in registers and sum in fp32 with the input
+  unrounded, where an fp16 GEMM rounds the input and the products to fp16: logits within that rounding of the model's
+  forward with the same copies, and about as close to the fp32 model's (tests/test_step.py). ``without_ops`` says why a
+  step runs without them;
 * otherwise the model's own modules where they run once per step or carry the model's formula (embedding, RMS
   norms, the MLP's activation, the output layer); q/k/v and gate/up as one product each (with ``--weights half``
   their fp16 copies are concatenated once and the ``HalfLinear`` layers keep views into the concatenation; with the

@@ -108,7 +108,7 @@ def after_failure(session):
         return cls(model, session.settings, system=system, store=store, sampling=session.sampling, seed=session.seed,
                    title=session.title, undo=session.undo_enabled)
     fresh = resume(cls, model, store, session.conversation_id, sampling=session.sampling, undo=session.undo_enabled)
-    set_as(fresh, session.settings)  # settings changed since the last saved turn: changed again, as the person left them
+    set_as(fresh, session.settings)  # settings changed since the last saved turn: changed again, as they were left
     return fresh
 
 

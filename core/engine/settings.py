@@ -1,10 +1,10 @@
 """The settings of a session, declared once: what the cache keeps (``Settings``) and how replies are sampled
 (``Sampling``).
 
-Each setting is a ``Param`` in ``CACHE_SETTINGS`` or ``SAMPLING_SETTINGS``; the CLI flags, the chat's ``/set``
-help, the web UI's settings panel and the flag table of docs/usage.md are generated from these declarations (the policies'
-own parameters come from their classes the same way). Everything here can change on a live session; ``validate``
-checks a combination before any of it is applied.
+Each setting is a ``Param`` in ``CACHE_SETTINGS`` or ``SAMPLING_SETTINGS``; the CLI flags, the chat's ``/set`` help, the
+web UI's settings panel and the flag table of docs/usage.md are generated from these declarations (the policies' own
+parameters come from their classes the same way). Everything here can change on a live session; ``validate`` checks a
+combination before any of it is applied.
 """
 
 from __future__ import annotations

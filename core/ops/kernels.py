@@ -1,7 +1,7 @@
-"""The decode step's products (core/decode/) as small C++ operators (the sources: ``csrc/*.cpp``): attention's two, the products with the fp16
-weights, the two parts of a layer around its cache write built from them (which the compiled step's graph calls
-inside it, and the eager step where a cache layer must resize first), and a whole layer with its cache write, which
-the eager step calls once per layer.
+"""The decode step's products (core/decode/) as small C++ operators (the sources: ``csrc/*.cpp``): attention's two,
+the products with the fp16 weights, the two parts of a layer around its cache write built from them (which the
+compiled step's graph calls inside it, and the eager step where a cache layer must resize first), and a whole layer
+with its cache write, which the eager step calls once per layer.
 
 A decode step multiplies one token's vector with every weight matrix and a few queries per KV head (GQA's groups: 3
 for the default model) with ~1,000 cached keys and values per head. Both are reads of memory with little arithmetic,
