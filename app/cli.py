@@ -85,7 +85,8 @@ def cmd_conversations(args) -> int:
             print(json.dumps({"conversation": conv, "messages": store.messages(args.id),
                               "turn_stats": store.turn_stats(args.id)}))
             return 0
-        print(f"# {conv['title']} ({conv['model']}, {conv['settings'].get('policy')})")
+        settings = conv.get("live_settings") or conv["settings"]  # what a reopen takes (Store.record_live_settings)
+        print(f"# {conv['title']} ({conv['model']}, {settings.get('policy')})")
         for m in store.messages(args.id):
             print(f"[{m['role']}] {m['text']}")
     elif args.action == "rename":

@@ -22,6 +22,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # a local tool: no c
 import gradio as gr  # noqa: E402
 
 from ..core.engine.settings import CACHE_SETTINGS, SAMPLING_SETTINGS  # noqa: E402
+from ..core.model.names import check_held_by  # noqa: E402
 from ..policies import POLICIES, declared_params, policy_class  # noqa: E402
 from .args import parse_setting  # noqa: E402
 from .chatting import Chatting  # noqa: E402
@@ -72,7 +73,7 @@ class WebApp(Layout, Chatting):
         for c in store.conversations(search, limit=LIST_LIMIT):
             when = (c["updated_at"] or "")[:16].replace("T", " ")
             label = (f"#{c['id']} {c['title']} · {c['total_tokens']:,} tokens, {c['disk_bytes'] / 2**20:.1f} MB on "
-                     f"disk · {c['settings'].get('policy', '?')} · {when}")
+                     f"disk · {c['settings'].get('policy', '?')} · {when}{self._other_model(c)}")
             choices.append((label, c["id"]))
         total = store.conversation_count(search) if len(choices) == LIST_LIMIT else len(choices)
         shown = f"the {len(choices)} last used of {total:,}" if total > len(choices) else f"{total:,}"
@@ -83,6 +84,15 @@ class WebApp(Layout, Chatting):
         if value is None and entry is not None:
             value = entry.session.conversation_id
         return gr.update(choices=choices, label=label, value=value if value in {c[1] for c in choices} else None)
+
+    def _other_model(self, row: dict) -> str:
+        """What the saved list says of conversation ``row`` held by another model than the server's (Open refuses
+        it: it reopens under the model that held it), else nothing."""
+        try:
+            check_held_by(row["id"], row["model"], self.manager.model.name)
+        except ValueError:
+            return f" · model {row['model']} (kvchat serve --model opens it)"
+        return ""
 
     def search_conversations(self, text: str, request: gr.Request):
         """The search box: the tab's saved list narrowed to the conversations whose title or any message contains

@@ -259,9 +259,11 @@ class Store:
     def conversations(self, search: str = "", limit: int | None = None) -> list[dict]:
         """The stored conversations, the last used first, each with its message count and what it keeps beside the
         database (``disk_bytes``): those whose title or any message contains ``search`` (``_matching``), at most
-        ``limit`` of them."""
+        ``limit`` of them. Their ``settings`` are those a reopen takes (a change made during a turn a crash cut short
+        included: ``record_live_settings``)."""
         where, params = _matching(search)
-        sql = f"""SELECT c.id, c.title, c.model, c.settings, c.total_tokens, c.next_turn, c.created_at, c.updated_at,
+        sql = f"""SELECT c.id, c.title, c.model, COALESCE(NULLIF(c.live_settings, 'null'), c.settings) AS settings,
+                         c.total_tokens, c.next_turn, c.created_at, c.updated_at,
                          c.archive, (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS messages
                   FROM conversations c {where} ORDER BY c.updated_at DESC, c.id DESC"""
         if limit is not None:

@@ -357,6 +357,9 @@ def test_a_live_change_while_a_reply_streams_is_stored_with_its_turn(tiny, tmp_p
     gen = live.reply("Tell me more about the rivers of the north, please.")
     next(gen)
     live.configure(budget=40)  # between two reply tokens, from the settings panel's thread
+    waiting = Store(tmp_path / "a.db")
+    assert waiting.conversation(live.conversation_id)["settings"]["budget"] == 64  # stored with the turn
+    assert waiting.conversations()[0]["settings"]["budget"] == 40  # the saved lists show what a reopen takes
     if completed:
         for _ in gen:
             pass

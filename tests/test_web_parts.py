@@ -606,3 +606,21 @@ def test_what_a_session_holds_stays_within_what_the_cap_reserves_for_it(tiny, tm
     undo = _nbytes(t for part in copy.cache.parts for t in part.saved.values()) + _nbytes(copy.observer.values())
     assert session.cache.nbytes + window + undo <= m.reserve(settings)
     assert m.reserve(settings) <= 1.05 * 2 * (session.cache.nbytes + window)  # and no more than it holds, near enough
+
+
+def test_the_saved_list_says_which_conversations_another_model_holds(web):
+    """A conversation held by another model than the server's says so in the saved list, with how to open it; Open
+    refuses it in the page (it reopens only under the model that held it)."""
+    s = web.manager.entry("a").session
+    _chat(s, turns=1)
+    mine = s.conversation_id
+    other = web.manager.new("a").session
+    _chat(other, turns=1)
+    web.manager.release("a")
+    web.manager.store.db.execute("UPDATE conversations SET model = 'org/other-model' WHERE id = ?",
+                                 [other.conversation_id])
+    labels = dict((cid, label) for label, cid in web._conversations("b")["choices"])
+    assert labels[other.conversation_id].endswith(" · model org/other-model (kvchat serve --model opens it)")
+    assert " · model " not in labels[mine]
+    refusal = f"conversation {other.conversation_id} was held by model org/other-model, not tiny-llama"
+    assert refusal in web.open_conversation(other.conversation_id, _Request("b"))[5]
