@@ -72,13 +72,14 @@ def cmd_conversations(args) -> int:
         raise CLIError(f"conversations {args.action} needs a conversation id")
     store = Store(path)
     if args.action == "export":
-        from .scripts import export_script
+        from .scripts import export_script, replay_command
 
         lines = "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in export_script(store, args.id))
         if args.output:
             Path(args.output).write_text(lines, encoding="utf-8")
         else:
             sys.stdout.write(lines)
+        print(f"replay it as it began: {replay_command(store, args.id, args.output or 'FILE')}", file=sys.stderr)
     elif args.action == "show":
         conv = store.conversation(args.id)
         if args.json:

@@ -13,11 +13,13 @@ line fails (naming the line) before the model loads or the database is touched (
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.engine.session import check_text
-from ..core.engine.settings import CACHE_SETTINGS, SETTINGS
+from ..core.engine.settings import CACHE_SETTINGS, SETTINGS, Settings, max_slack
+from ..core.model.names import DEFAULT_MODEL_NAME
 from ..policies import POLICIES, declared_params
 from .args import parse_setting, sort_settings
 
@@ -281,3 +283,38 @@ def _set_line(change: dict) -> dict:
         stayed = "policy" not in change["changes"] and policy in POLICIES  # (a policy this version lacks: as stored)
         line.update({p.name: params.get(p.name, p.default) for p in POLICIES[policy].params} if stayed else params)
     return line
+
+
+def replay_command(store, conversation_id: int, path) -> str:
+    """The ``kvchat replay`` command that replays stored conversation ``conversation_id``, exported to ``path``
+    (``export_script``), as it began: its model where it is not the default, and the cache settings and policy
+    parameters it started with where they are not the defaults (``started_with``; its changes are the script's set
+    lines). Sampling settings are not stored with a conversation: the replay samples with the model's defaults."""
+    conv = store.conversation(conversation_id)
+    start = started_with(store, conversation_id)
+    words = ["kvchat", "replay", str(path)]
+    if conv["model"] != DEFAULT_MODEL_NAME:
+        words += ["--model", conv["model"]]
+    params = POLICIES[start.policy].params if start.policy in POLICIES else ()
+    for p, value in [(p, getattr(start, p.name)) for p in CACHE_SETTINGS] + \
+            [(p, start.params.get(p.name, p.default)) for p in params]:
+        if value != p.default:
+            words += [p.flag, str(value)]
+    return " ".join(map(shlex.quote, words))
+
+
+def started_with(store, conversation_id: int) -> Settings:
+    """The settings stored conversation ``conversation_id`` began under: as set, where it never changed them; else
+    those its turns before its first change ran under, or (a change before its first turn) those that change left,
+    which the script's set line before the first turn makes again. A turn's settings are stored with the window and
+    slack resolved: left to their defaults where no change of the budget can make the two differ."""
+    conv = store.conversation(conversation_id)
+    changes = store.settings_changes(conversation_id)
+    if not changes:
+        return Settings.from_dict(conv["settings"])
+    before = [t["settings"] for t in store.turn_stats(conversation_id) if t["turn"] < changes[0]["turn"]]
+    start = Settings.from_dict(before[0] if before else changes[0]["settings"])
+    if any("budget" in c["changes"] for c in changes):
+        return start
+    return start.changed(window=None if start.window == start.budget // 4 else start.window,
+                         slack=None if start.slack == max_slack(start.budget) else start.slack)

@@ -28,7 +28,7 @@ from .args import parse_setting  # noqa: E402
 from .chatting import Chatting  # noqa: E402
 from .sessions import USER_ERRORS, CapacityError, Entry, SessionManager  # noqa: E402
 from .layout import CSS, Layout, theme  # noqa: E402
-from .scripts import export_script  # noqa: E402
+from .scripts import export_script, replay_command  # noqa: E402
 from .views import Live, cache_view, charts, chat_messages, error_html as _error, head_map, stored_turns  # noqa: E402
 
 
@@ -307,8 +307,9 @@ class WebApp(Layout, Chatting):
                     self._list_after_error(request.session_hash, conversation_id))
         path = self.export_dir / f"conversation-{int(conversation_id)}.jsonl"
         path.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines), encoding="utf-8")
+        command = replay_command(self.manager.store, int(conversation_id), path.name)
         return (gr.update(value=str(path), visible=True),
-                f"exported conversation #{conversation_id}: replay it with `kvchat replay {path.name}`", gr.skip())
+                f"exported conversation #{conversation_id}: replay it as it began with `{command}`", gr.skip())
 
 
 def serve(manager: SessionManager, model_name: str, host: str = "127.0.0.1", port: int = 7860,

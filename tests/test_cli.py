@@ -160,8 +160,9 @@ def test_conversations_list_show_export(model_dir, tmp_path, capsys):
     assert code == 2 and "--search lists conversations: it goes with list" in err
     code, out, _ = _run(capsys, "conversations", "show", cid, "--db", db)
     assert "[user] My name is Alice." in out
-    code, _, _ = _run(capsys, "conversations", "export", cid, "--db", db, "-o", tmp_path / "x.jsonl")
-    assert code == 0
+    code, _, err = _run(capsys, "conversations", "export", cid, "--db", db, "-o", tmp_path / "x.jsonl")
+    assert code == 0 and err.strip() == f"replay it as it began: kvchat replay {tmp_path / 'x.jsonl'} --model " \
+        f"{model_dir} --budget 64"
     assert [json.loads(x) for x in (tmp_path / "x.jsonl").read_text().splitlines()] == SCRIPT[:3]
     for action in ("show", "export"):  # export wrote an empty script and exited 0
         code, _, err = _run(capsys, "conversations", action, 999, "--db", db, "-o", tmp_path / "none.jsonl")

@@ -156,10 +156,11 @@ def test_settings_changes_are_recorded_and_resumed(tiny, tmp_path):
 
 def test_export_replays_as_a_script_with_the_chats_settings_changes_where_they_were_made(tiny, tmp_path):
     """A conversation whose policy and parameters were changed between turns (one set back to its default) exports
-    as a script whose set lines make the same changes at the same turns: replayed from the chat's starting settings
-    it stores the chat's messages and settings changes and ends in its settings."""
+    as a script whose set lines make the same changes at the same turns: replayed from the chat's starting settings,
+    as the command the export names gives them, it stores the chat's messages and settings changes and ends in its
+    settings."""
     from kvchat.app.replay import run_step, switched
-    from kvchat.app.scripts import export_script, load_scripts
+    from kvchat.app.scripts import export_script, load_scripts, replay_command
 
     store = Store(tmp_path / "kv.db")
     session = Session(tiny("llama"), SETTINGS, store=store, sampling=GREEDY)
@@ -179,8 +180,13 @@ def test_export_replays_as_a_script_with_the_chats_settings_changes_where_they_w
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     (script,) = load_scripts(path)
     assert script.system == session.messages[0]["content"]
+    command = replay_command(store, session.conversation_id, "my chat.jsonl")
+    assert command == ("kvchat replay 'my chat.jsonl' --model tiny-llama --budget 48 --window 8 --slack 6 "
+                       "--groups sentence")  # the chat's start, not its settings now (tova, budget 40)
+    started = _command_settings(command)
+    assert started == SETTINGS
     again = Store(tmp_path / "again.db")
-    replay = Session(tiny("llama"), SETTINGS, store=again, sampling=GREEDY)
+    replay = Session(tiny("llama"), started, store=again, sampling=GREEDY)
     for step in script.steps:
         switched(replay, step) if step.kind == "set" else run_step(replay, step, {})
     assert replay.settings == session.settings
@@ -189,6 +195,44 @@ def test_export_replays_as_a_script_with_the_chats_settings_changes_where_they_w
     changes = [[{k: c[k] for k in ("turn", "changes", "settings")} for c in s.settings_changes(cid)]
                for s, cid in ((store, session.conversation_id), (again, replay.conversation_id))]
     assert changes[0] == changes[1] and len(changes[0]) == 3
+
+
+def _command_settings(command: str) -> Settings:
+    """The cache settings ``kvchat replay`` takes from ``command``'s flags."""
+    import shlex
+
+    from kvchat.app.args import build_parser, settings_from_args
+
+    words = shlex.split(command)
+    assert words[:2] == ["kvchat", "replay"]
+    return settings_from_args(build_parser(words[1:]).parse_args(words[1:]))
+
+
+@pytest.mark.parametrize("change", [None, "before", "budget"])
+def test_the_export_names_the_command_that_replays_the_chat_as_it_began(tiny, tmp_path, change):
+    """The replay command the export names starts from the chat's first settings: as set where they never changed
+    (the window left to the budget stays so); with a change before the first turn (no system prompt read before it),
+    the settings it left (its set line then changes nothing); the window and slack resolved where a change of the
+    budget would part them."""
+    from kvchat.app.scripts import replay_command
+
+    store = Store(tmp_path / "kv.db")
+    settings = Settings(policy="h2o", budget=48, sink=2, params={"heavy": 8})
+    session = Session(tiny("llama"), settings, store=store, sampling=GREEDY, system=None)
+    if change == "before":
+        session.configure(policy="tova")
+    session.chat("Hello there.")
+    if change == "budget":
+        session.configure(budget=64)
+        session.chat("And again.")
+    command = replay_command(store, session.conversation_id, "chat.jsonl")
+    expected = {None: "--policy h2o --budget 48 --sink 2 --heavy 8", "before": "--policy tova --budget 48 --sink 2",
+                "budget": "--policy h2o --budget 48 --sink 2 --window 12 --slack 64 --heavy 8"}[change]
+    assert command == f"kvchat replay chat.jsonl --model tiny-llama {expected}"
+    started = _command_settings(command)
+    assert started.window_tokens == settings.window_tokens and started.capacity == settings.capacity
+    with pytest.raises(ValueError, match="no conversation 99"):
+        replay_command(store, 99, "chat.jsonl")
 
 
 def test_rename_and_delete(tiny, tmp_path):

@@ -245,6 +245,15 @@ def test_exports_go_with_the_app(manager):
     assert not folder.exists()
 
 
+def test_an_export_names_the_command_that_replays_it_as_it_began(web):
+    s = web.manager.entry("a").session
+    _chat(s, turns=1)
+    web.apply_settings(_Request("a"), *_values(web, s, policy="h2o"))  # the replay's set line makes it
+    _, status, _ = web.export(s.conversation_id, _Request("a"))
+    assert status.endswith(f"replay it as it began with `kvchat replay conversation-{s.conversation_id}.jsonl "
+                           "--model tiny-llama --budget 48 --window 8 --slack 6`")
+
+
 def test_settings_panel_is_generated_from_the_declarations(web):
     import gradio as gr
 
