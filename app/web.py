@@ -301,13 +301,13 @@ class WebApp(Layout, Chatting):
             if conversation_id is None:
                 raise ValueError("choose a conversation in the list first")
             lines = export_script(self.manager.store, int(conversation_id))
+            path = self.export_dir / f"conversation-{int(conversation_id)}.jsonl"
+            command = replay_command(self.manager.store, int(conversation_id), path.name)
         except USER_ERRORS as exc:
             gr.Warning(str(exc))
             return (gr.update(visible=False), _error(str(exc)),
                     self._list_after_error(request.session_hash, conversation_id))
-        path = self.export_dir / f"conversation-{int(conversation_id)}.jsonl"
         path.write_text("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines), encoding="utf-8")
-        command = replay_command(self.manager.store, int(conversation_id), path.name)
         return (gr.update(value=str(path), visible=True),
                 f"exported conversation #{conversation_id}: replay it as it began with `{command}`", gr.skip())
 
