@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.engine.session import check_text
-from ..core.engine.settings import CACHE_SETTINGS, SETTINGS, Settings, max_slack
+from ..core.engine.settings import CACHE_SETTINGS, SETTINGS, Settings
 from ..core.model.names import DEFAULT_MODEL_NAME
 from ..policies import POLICIES, declared_params
 from .args import parse_setting, sort_settings
@@ -307,14 +307,29 @@ def started_with(store, conversation_id: int) -> Settings:
     """The settings stored conversation ``conversation_id`` began under: as set, where it never changed them; else
     those its turns before its first change ran under, or (a change before its first turn) those that change left,
     which the script's set line before the first turn makes again. A turn's settings are stored with the window and
-    slack resolved: left to their defaults where no change of the budget can make the two differ."""
+    slack resolved: each is left to its default where that replays the chat alike (``_explicit``)."""
     conv = store.conversation(conversation_id)
     changes = store.settings_changes(conversation_id)
     if not changes:
         return Settings.from_dict(conv["settings"])
     before = [t["settings"] for t in store.turn_stats(conversation_id) if t["turn"] < changes[0]["turn"]]
     start = Settings.from_dict(before[0] if before else changes[0]["settings"])
-    if any("budget" in c["changes"] for c in changes):
-        return start
-    return start.changed(window=None if start.window == start.budget // 4 else start.window,
-                         slack=None if start.slack == max_slack(start.budget) else start.slack)
+    derived = {"window": lambda budget: Settings(budget=budget).window_tokens,
+               "slack": lambda budget: Settings(budget=budget).slack_tokens}
+    return start.changed(**{name: None for name, rule in derived.items() if getattr(start, name) == rule(start.budget)
+                            and not _explicit(start, changes, name, rule)})
+
+
+def _explicit(start: Settings, changes: list[dict], name: str, rule) -> bool:
+    """Whether the window or slack (``name``, by default ``rule(budget)``) the chat began with must be given as it
+    was: where a budget change moved its default before any set line gives it, and the chat's did not move it (set
+    explicitly, to what the default happened to be)."""
+    budget = start.budget
+    for change in changes:
+        if name in change["changes"]:
+            return False  # the set lines give it from here on
+        if "budget" in change["changes"]:
+            if rule(change["changes"]["budget"]) != rule(budget):
+                return True
+            budget = change["changes"]["budget"]
+    return False

@@ -208,29 +208,41 @@ def _command_settings(command: str) -> Settings:
     return settings_from_args(build_parser(words[1:]).parse_args(words[1:]))
 
 
-@pytest.mark.parametrize("change", [None, "before", "budget"])
+@pytest.mark.parametrize("change", [None, "before", "budget", "explicit"])
 def test_the_export_names_the_command_that_replays_the_chat_as_it_began(tiny, tmp_path, change):
-    """The replay command the export names starts from the chat's first settings: as set where they never changed
-    (the window left to the budget stays so); with a change before the first turn (no system prompt read before it),
-    the settings it left (its set line then changes nothing); the window and slack resolved where a change of the
-    budget would part them."""
-    from kvchat.app.scripts import replay_command
+    """The replay command the export names starts from the chat's first settings, and with the export's set lines
+    resolves to the chat's settings at every change: as set where they never changed (the window left to the
+    budget stays so); with a change before the first turn (no system prompt read before it), the settings it left
+    (its set line then changes nothing); the window left to the budget where a budget change's set line gives the
+    window it moved to, and given where the chat's was set to what the budget's default happened to be."""
+    from kvchat.app.scripts import export_script, load_scripts, replay_command
 
     store = Store(tmp_path / "kv.db")
-    settings = Settings(policy="h2o", budget=48, sink=2, params={"heavy": 8})
+    settings = Settings(policy="h2o", budget=48, sink=2, window=12 if change == "explicit" else None,
+                        params={"heavy": 8})
     session = Session(tiny("llama"), settings, store=store, sampling=GREEDY, system=None)
+    seen = [session.settings]
     if change == "before":
         session.configure(policy="tova")
+        seen = [session.settings]  # what the first turn ran under
     session.chat("Hello there.")
-    if change == "budget":
-        session.configure(budget=64)
+    if change in ("budget", "explicit"):
+        session.configure(budget=64)  # the default window moves from 12 to 16
+        seen.append(session.settings)
         session.chat("And again.")
     command = replay_command(store, session.conversation_id, "chat.jsonl")
     expected = {None: "--policy h2o --budget 48 --sink 2 --heavy 8", "before": "--policy tova --budget 48 --sink 2",
-                "budget": "--policy h2o --budget 48 --sink 2 --window 12 --slack 64 --heavy 8"}[change]
+                "budget": "--policy h2o --budget 48 --sink 2 --heavy 8",
+                "explicit": "--policy h2o --budget 48 --sink 2 --window 12 --heavy 8"}[change]
     assert command == f"kvchat replay chat.jsonl --model tiny-llama {expected}"
-    started = _command_settings(command)
-    assert started.window_tokens == settings.window_tokens and started.capacity == settings.capacity
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in export_script(store, session.conversation_id)))
+    (script,) = load_scripts(path)
+    replayed = [_command_settings(command)]
+    for step in script.steps:
+        if step.kind == "set":
+            replayed.append(replayed[-1].changed(**step.cache))
+    assert [s.as_dict() for s in replayed][-len(seen):] == [s.as_dict() for s in seen]
     with pytest.raises(ValueError, match="no conversation 99"):
         replay_command(store, 99, "chat.jsonl")
 
