@@ -381,6 +381,31 @@ def test_a_live_change_while_a_reply_streams_is_stored_with_its_turn(tiny, tmp_p
         assert_same_cache(again, twin)
 
 
+def test_a_live_change_the_database_refuses_mid_reply_is_stored_with_its_turn(tiny, tmp_path, monkeypatch):
+    """The database refuses to keep a change made while a reply streams (locked by another writer, say): the change
+    applies all the same, the reply says why it waits, and the turn stores it as it closes."""
+    from kvchat.storage.db import StoreError
+
+    live = Session(tiny("llama"), Settings(policy="streaming", budget=64, window=8, slack=8),
+                   store=Store(tmp_path / "a.db"), sampling=GREEDY)
+    live.exchange(*TURNS[0])
+
+    def locked(*args):
+        raise StoreError("database a.db: database is locked")
+
+    monkeypatch.setattr(live.store, "record_live_settings", locked)
+    gen = live.reply("Tell me more about the rivers of the north, please.")
+    next(gen)
+    assert live.configure(budget=40) == {"budget": 40}
+    for _ in gen:
+        pass
+    assert live.history[-1].warnings == ["a settings change made during the reply is stored only with it: "
+                                         "database a.db: database is locked"]
+    store = Store(tmp_path / "a.db")
+    assert [c["changes"] for c in store.settings_changes(live.conversation_id)] == [{"budget": 40}]
+    assert store.conversation(live.conversation_id)["settings"]["budget"] == 40
+
+
 def test_a_session_that_stored_nothing_leaves_no_files(tiny, tmp_path):
     store = Store(tmp_path / "kv.db")
     session = Session(tiny("llama"), Settings(budget=64, window=8), store=store, system="Be brief.")

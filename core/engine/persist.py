@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ...storage import holding, statefile
-from ...storage.db import now_iso
+from ...storage.db import StoreError, now_iso
 from ...storage.files import tree_size
 from ...storage.kvrows import RowFile
 from ..cache import slab
@@ -255,7 +255,10 @@ def record_settings(session, record: dict) -> None:
     else:
         session.pending_settings.append(record)
         if session.store is not None and session.conversation_id is not None:  # a crash mid-turn keeps them
-            session.store.record_live_settings(session.conversation_id, asdict(session.settings))
+            try:
+                session.store.record_live_settings(session.conversation_id, asdict(session.settings))
+            except StoreError as exc:  # applied all the same: it is stored with the turn, as before
+                session.warn("live settings", f"a settings change made during the reply is stored only with it: {exc}")
 
 
 def conversation_row(session) -> dict:
