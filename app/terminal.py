@@ -199,7 +199,8 @@ def _chat_command(session, line: str) -> bool | str:
                 if settings:
                     k = settings[0]
                     raise CLIError(f"{k} is a setting, not a parameter of {rest[0]}: /set {k}={given[k]}")
-                sort_settings(given.items(), lambda k: own.get(k) or _no_param(rest[0], k))  # every bad one
+                # every bad one named; the parameters as parsed
+                _, _, given = sort_settings(given.items(), lambda k: own.get(k) or _no_param(rest[0], k))
             applied = session.configure(policy=rest[0], params=given)
         elif cmd == "budget":
             if len(rest) != 1:

@@ -83,7 +83,9 @@ def guarded(method):
 
 
 def _dump(row: dict) -> dict:
-    return {k: json.dumps(v) if k in JSON_FIELDS and not isinstance(v, str) else v for k, v in row.items()}
+    """A row's JSON fields as JSON text; None stays SQL NULL."""
+    return {k: json.dumps(v) if k in JSON_FIELDS and v is not None and not isinstance(v, str) else v
+            for k, v in row.items()}
 
 
 def _load(row: dict) -> dict:
@@ -262,7 +264,7 @@ class Store:
         ``limit`` of them. Their ``settings`` are those a reopen takes (a change made during a turn a crash cut short
         included: ``record_live_settings``)."""
         where, params = _matching(search)
-        sql = f"""SELECT c.id, c.title, c.model, COALESCE(NULLIF(c.live_settings, 'null'), c.settings) AS settings,
+        sql = f"""SELECT c.id, c.title, c.model, COALESCE(c.live_settings, c.settings) AS settings,
                          c.total_tokens, c.next_turn, c.created_at, c.updated_at,
                          c.archive, (SELECT COUNT(*) FROM messages m WHERE m.conversation_id = c.id) AS messages
                   FROM conversations c {where} ORDER BY c.updated_at DESC, c.id DESC"""

@@ -381,6 +381,20 @@ def test_a_live_change_while_a_reply_streams_is_stored_with_its_turn(tiny, tmp_p
         assert_same_cache(again, twin)
 
 
+def test_a_parameter_set_back_to_its_default_mid_reply_survives_a_crash(tiny, tmp_path):
+    """A policy parameter set back to its default while a reply streams (stored as left out) comes back so after a
+    crash: the reopened session does not keep the value the last saved turn had."""
+    settings = Settings(policy="h2o", budget=64, window=8, slack=8, params={"heavy": 16})
+    live = Session(tiny("llama"), settings, store=Store(tmp_path / "a.db"), sampling=GREEDY)
+    live.exchange(*TURNS[0])
+    gen = live.reply("Tell me more about the rivers of the north, please.")
+    next(gen)
+    live.configure(params={"heavy": 0})  # h2o's default
+    assert live.settings.params == {}
+    reopened = Session.resume(tiny("llama"), Store(tmp_path / "a.db"), live.conversation_id, sampling=GREEDY)
+    assert reopened.settings == live.settings
+
+
 def test_a_live_change_the_database_refuses_mid_reply_is_stored_with_its_turn(tiny, tmp_path, monkeypatch):
     """The database refuses to keep a change made while a reply streams (locked by another writer, say): the change
     applies all the same, the reply says why it waits, and the turn stores it as it closes."""

@@ -114,9 +114,8 @@ def after_failure(session):
 
 def set_as(session, settings: Settings) -> None:
     """Change ``session``'s settings to ``settings`` as a live change does (``configure``: recorded, a smaller budget
-    compressing at once), where they differ."""
-    changes = {f.name: getattr(settings, f.name) for f in fields(Settings)
-               if getattr(settings, f.name) != getattr(session.settings, f.name)}
+    compressing at once), where they differ (``Settings.changes_to``: a parameter back at its default included)."""
+    changes = session.settings.changes_to(settings)
     if changes:
         session.configure(**changes)
 
